@@ -1,0 +1,72 @@
+"""ckptplan: memory/compute planner and optimal activation-checkpoint solver for PyTorch.
+
+    graph  = ckptplan.profile(model, args)
+    plan   = ckptplan.solve(graph, budget="8GB")
+    report = ckptplan.simulate(graph, plan)
+    module = ckptplan.emit(graph, plan)
+
+Heavy modules (torch) load on first use of the names that need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ckptplan.errors import (
+    BudgetError,
+    CkptPlanError,
+    FingerprintMismatchError,
+    InfeasibleBudgetError,
+    ModelFileError,
+    PlanFormatError,
+    TraceError,
+    UnknownSolverError,
+)
+from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage
+from ckptplan.plan import Plan, Region, load_plan
+from ckptplan.units import format_bytes, parse_budget
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "profile": "ckptplan.profiler",
+    "solve": "ckptplan.solvers",
+    "available_solvers": "ckptplan.solvers",
+    "simulate": "ckptplan.planner",
+    "make_plan": "ckptplan.planner",
+    "emit": "ckptplan.planner",
+    "checkpoint": "ckptplan.planner",
+    "apply": "ckptplan.planner",
+    "measure_step": "ckptplan.planner",
+}
+
+__all__ = [
+    "BudgetError",
+    "CkptPlanError",
+    "ComputeGraph",
+    "FingerprintMismatchError",
+    "InfeasibleBudgetError",
+    "ModelFileError",
+    "Node",
+    "Plan",
+    "PlanFormatError",
+    "Region",
+    "StaticMemory",
+    "Storage",
+    "TraceError",
+    "UnknownSolverError",
+    "format_bytes",
+    "load_plan",
+    "parse_budget",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptplan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

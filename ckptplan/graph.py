@@ -1,0 +1,205 @@
+"""The ComputeGraph: a frozen, torch-free description of one training step's forward graph.
+
+Memory is described at the level of *storages* (what the allocator sees), not tensors: a view
+shares its base's storage, and autograd may save tensors that are no node's output (dropout
+masks, normalisation statistics). Solvers and the simulator only ever see these plain records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import networkx
+
+StorageKind = Literal["activation", "hidden", "input", "param", "buffer"]
+STATIC_KINDS: frozenset[str] = frozenset({"input", "param", "buffer"})
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One allocation. ``producer`` is the index of the node that allocated it (-1 when static).
+
+    ``kind``: ``activation`` (some node's output), ``hidden`` (allocated by an op and saved for
+    backward but returned by no node: masks, statistics), ``input`` (a graph input, held by the
+    caller), ``param`` / ``buffer`` (model state). ``trainable`` marks parameters that get a grad.
+    """
+
+    index: int
+    nbytes: int
+    kind: StorageKind
+    producer: int = -1
+    trainable: bool = False
+
+    @property
+    def is_static(self) -> bool:
+        return self.kind in STATIC_KINDS
+
+
+@dataclass(frozen=True)
+class Node:
+    """One compute op of the forward graph, in execution order.
+
+    ``inputs``: indices of compute nodes whose values this op reads (graph inputs and parameters
+    are not nodes; they appear in ``saved`` / ``param_grads`` as storages).
+    ``outputs``: storages its output tensors live in (an alias of an input's storage for views).
+    ``saved``: non-parameter storages autograd keeps for this op's backward, outputs and hidden
+    tensors included. ``grad_inputs``: input nodes that receive a gradient from this op.
+    ``param_grads``: trainable parameter storages this op produces a gradient for.
+    ``grad_aliases_output``: the gradients it passes to its inputs are views of the gradient
+    it receives (view ops), so backward allocates nothing for them.
+    ``output_bytes``: bytes of its floating output tensors (the size of their gradient).
+    ``fwd_cost`` / ``bwd_cost``: roofline time estimates in seconds (see profiler.cost).
+    """
+
+    index: int
+    name: str
+    op: str
+    module: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    saved: tuple[int, ...]
+    grad_inputs: tuple[int, ...] = ()
+    param_grads: tuple[int, ...] = ()
+    requires_grad: bool = False
+    grad_aliases_output: bool = False
+    output_bytes: int = 0
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    bytes_moved: int = 0
+    fwd_cost: float = 0.0
+    bwd_cost: float = 0.0
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """Bytes resident for the whole step, plus the gradient bytes backward will allocate."""
+
+    param_bytes: int
+    buffer_bytes: int
+    input_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int = 0
+    optimizer: str | None = None
+
+    @property
+    def resident_bytes(self) -> int:
+        """Held from before forward until after backward: state, optimizer state, inputs."""
+        return self.param_bytes + self.buffer_bytes + self.input_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ComputeGraph:
+    """The forward graph of one training step, annotated for planning.
+
+    ``outputs``: node indices whose values the model returns; ``loss_nodes``: those backward
+    starts from (see ``profiler.loss.loss_leaves``). ``traced`` (the torch GraphModule the
+    emitter rewrites) and ``model`` (the profiled module) are handles, not part of the
+    description: no equality, no hash, never serialised.
+    """
+
+    name: str
+    nodes: tuple[Node, ...]
+    storages: tuple[Storage, ...]
+    static: StaticMemory
+    outputs: tuple[int, ...]
+    loss_nodes: tuple[int, ...]
+    inputs: tuple[TensorSpec, ...] = ()
+    trace: str = "export"
+    traced: Any = field(default=None, compare=False, repr=False, hash=False)
+    model: Any = field(default=None, compare=False, repr=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for position, node in enumerate(self.nodes):
+            if node.index != position:
+                raise ValueError(f"node {node.name!r} has index {node.index}, expected {position}")
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @cached_property
+    def index_of(self) -> dict[str, int]:
+        return {node.name: node.index for node in self.nodes}
+
+    def node(self, name: str) -> Node:
+        return self.nodes[self.index_of[name]]
+
+    @cached_property
+    def activation_bytes(self) -> int:
+        """Bytes autograd saves for backward in one step without checkpointing (each storage once,
+        parameters and graph inputs excluded: they are resident anyway)."""
+        saved = {s for node in self.nodes for s in node.saved}
+        return sum(self.storages[s].nbytes for s in sorted(saved) if not self.storages[s].is_static)
+
+    def saved_bytes(self, index: int) -> int:
+        """Bytes of non-resident storages node ``index`` saves for backward."""
+        return sum(self.storages[s].nbytes for s in self.nodes[index].saved if not self.storages[s].is_static)
+
+    def new_bytes(self, index: int) -> int:
+        """Bytes node ``index`` allocates in forward (fresh outputs and hidden saved tensors)."""
+        return sum(s.nbytes for s in self.produced_by(index))
+
+    def produced_by(self, index: int) -> tuple[Storage, ...]:
+        return self._produced[index]
+
+    @cached_property
+    def _produced(self) -> tuple[tuple[Storage, ...], ...]:
+        produced: list[list[Storage]] = [[] for _ in self.nodes]
+        for storage in self.storages:
+            if storage.producer >= 0:
+                produced[storage.producer].append(storage)
+        return tuple(tuple(p) for p in produced)
+
+    @cached_property
+    def users(self) -> tuple[tuple[int, ...], ...]:
+        """``users[i]``: nodes reading node i's value, ascending."""
+        users: list[list[int]] = [[] for _ in self.nodes]
+        for node in self.nodes:
+            for i in sorted(set(node.inputs)):
+                users[i].append(node.index)
+        return tuple(tuple(u) for u in users)
+
+    @cached_property
+    def total_fwd_flops(self) -> int:
+        return sum(n.fwd_flops for n in self.nodes)
+
+    @cached_property
+    def step_cost(self) -> float:
+        """Estimated seconds of one forward plus backward without recomputation."""
+        return sum(n.fwd_cost + n.bwd_cost for n in self.nodes)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Stable hash of structure, sizes and dtypes: equal for the same model and input shapes."""
+        payload = {
+            "nodes": [
+                [n.name, n.op, n.inputs, [self.storages[s].nbytes for s in n.outputs], n.output_bytes]
+                for n in self.nodes
+            ],
+            "inputs": [[list(t.shape), t.dtype] for t in self.inputs],
+            "static": [self.static.param_bytes, self.static.buffer_bytes, self.static.grad_bytes],
+        }
+        blob = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_networkx(self) -> networkx.DiGraph:
+        """A DiGraph view: one vertex per node index with its record under ``"node"``."""
+        import networkx as nx
+
+        graph = nx.DiGraph()
+        for node in self.nodes:
+            graph.add_node(node.index, node=node)
+        for node in self.nodes:
+            for i in node.inputs:
+                graph.add_edge(i, node.index)
+        return graph

@@ -1,0 +1,188 @@
+"""Plans: which regions run under checkpoint, what each keeps, and what that is predicted to cost.
+
+A ``Plan`` is a pydantic model whose only serial form is JSON (schema ``ckptplan.plan/v1``);
+loading validates and never executes anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ckptplan.errors import PlanFormatError
+
+SCHEMA_VERSION = "ckptplan.plan/v1"
+SolverStatus = Literal["optimal", "feasible", "infeasible", "timeout"]
+Decision = Literal["store", "recompute", "keep"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Region(_Frozen):
+    """Nodes with execution index in ``[start, end)`` run inside one non-reentrant checkpoint.
+
+    In backward the region is recomputed from its inputs, except nodes named in ``keep``, whose
+    outputs are stored in forward (selective checkpointing). ``children`` are nested regions
+    inside it; regions at one level are disjoint and ordered.
+    """
+
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+    keep: tuple[str, ...] = ()
+    children: tuple[Region, ...] = ()
+
+    def __init__(self, start: int | None = None, end: int | None = None, /, **data: Any) -> None:
+        if start is not None:
+            data["start"] = start
+        if end is not None:
+            data["end"] = end
+        super().__init__(**data)
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> Region:
+        if self.end <= self.start:
+            raise ValueError(f"region [{self.start}, {self.end}) is empty")
+        if len(set(self.keep)) != len(self.keep):
+            raise ValueError(f"region [{self.start}, {self.end}) names a kept node twice")
+        previous_end = self.start
+        for child in self.children:
+            if child.start < previous_end or child.end > self.end:
+                raise ValueError(
+                    f"child region [{child.start}, {child.end}) is not inside [{self.start}, {self.end}) "
+                    "or overlaps its sibling"
+                )
+            previous_end = child.end
+        return self
+
+    def walk(self) -> list[Region]:
+        """This region and all its descendants, outermost first."""
+        found = [self]
+        for child in self.children:
+            found.extend(child.walk())
+        return found
+
+
+class InputInfo(_Frozen):
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class ModelInfo(_Frozen):
+    name: str
+    fingerprint: str
+    inputs: tuple[InputInfo, ...] = ()
+    node_count: int = Field(ge=0)
+
+
+class BudgetInfo(_Frozen):
+    requested: str
+    bytes: int = Field(ge=0)
+
+
+class SolverInfo(_Frozen):
+    name: str
+    status: SolverStatus
+    seconds: float = Field(ge=0.0)
+    gap: float | None = None
+    note: str = ""
+
+
+class Prediction(_Frozen):
+    """What ``planner.simulate`` says of the plan. ``overhead`` = recompute cost / step cost."""
+
+    peak_bytes: int = Field(ge=0)
+    baseline_peak_bytes: int = Field(ge=0)
+    activation_bytes: int = Field(ge=0)
+    recompute_flops: int = Field(ge=0)
+    recompute_seconds: float = Field(ge=0.0)
+    overhead: float = Field(ge=0.0)
+
+
+class NodeDecision(_Frozen):
+    name: str
+    op: str
+    module: str
+    decision: Decision
+    output_bytes: int = Field(ge=0)
+    saved_bytes: int = Field(ge=0)
+    fwd_flops: int = Field(ge=0)
+
+
+class Plan(_Frozen):
+    """What to do with one graph: regions, provenance, and the simulator's prediction."""
+
+    schema_version: Literal["ckptplan.plan/v1"] = SCHEMA_VERSION
+    model: ModelInfo
+    budget: BudgetInfo
+    solver: SolverInfo
+    prediction: Prediction
+    regions: tuple[Region, ...] = ()
+    nodes: tuple[NodeDecision, ...] = ()
+
+    @model_validator(mode="after")
+    def _check_regions(self) -> Plan:
+        previous_end = 0
+        names = {n.name for n in self.nodes}
+        for region in self.regions:
+            if region.start < previous_end:
+                raise ValueError(f"region [{region.start}, {region.end}) overlaps the region before it")
+            if self.nodes and region.end > len(self.nodes):
+                raise ValueError(f"region [{region.start}, {region.end}) runs past the last node")
+            previous_end = region.end
+            for inner in region.walk():
+                missing = [k for k in inner.keep if self.nodes and k not in names]
+                if missing:
+                    raise ValueError(f"region keeps unknown node {missing[0]!r}")
+        return self
+
+    def to_json(self) -> str:
+        """Deterministic JSON text: same plan, same bytes."""
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Plan:
+        """Parse and validate; any problem is a ``PlanFormatError`` naming the first bad field."""
+        try:
+            raw = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PlanFormatError(f"Plan is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc}).") from None
+        if not isinstance(raw, dict):
+            raise PlanFormatError("Plan JSON must be an object with 'schema_version', 'model', 'regions', ...")
+        version = raw.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanFormatError(
+                f"Not a ckptplan plan: schema_version is {version!r}, expected {SCHEMA_VERSION!r}."
+            )
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "plan"
+            raise PlanFormatError(f"Plan field '{where}' is invalid: {first['msg']}.") from None
+
+    def all_regions(self) -> list[Region]:
+        return [r for top in self.regions for r in top.walk()]
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file; a missing, unreadable or malformed file is a ``PlanFormatError``."""
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise PlanFormatError(f"Plan file {str(path)!r} does not exist.") from None
+    except OSError as exc:
+        raise PlanFormatError(f"Plan file {str(path)!r} could not be read: {exc.strerror}.") from None
+    return Plan.from_json(text)
+
+
+def plan_json_schema() -> dict[str, Any]:
+    """The JSON Schema of plan files, as ``ckptplan schema`` prints it."""
+    schema = Plan.model_json_schema()
+    schema["$id"] = SCHEMA_VERSION
+    return schema

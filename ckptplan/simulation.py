@@ -1,0 +1,431 @@
+"""Replay one training step of a ``ComputeGraph`` under a region plan and track live bytes.
+
+This is the referee every solver's claim is checked against (exposed as
+``ckptplan.planner.simulate``). It is torch-free so solvers may call it while searching.
+
+The model of PyTorch (2.x, eager, non-reentrant ``torch.utils.checkpoint``) it encodes:
+
+* **Forward.** Each op allocates its fresh output storages and any hidden tensors it saves.
+  A storage stays alive while someone holds it: the running program (until the last use of
+  any value living in it; graph outputs until forward ends), autograd (tensors an op saves,
+  until that op's backward), or a checkpoint. Inputs of a region are held by the caller until
+  the region returns.
+* **Checkpointed region.** Ops inside save nothing: autograd gets placeholders. A top-level
+  region keeps its inputs (``frame.save_inputs``) until its backward is done; a nested region
+  saves its inputs through the enclosing region's hooks, so they are dropped in forward and
+  come back when the enclosing region is recomputed. Nodes in ``keep`` have their op outputs
+  cached by the selective-checkpoint dispatch mode until recomputation consumes them.
+* **Recompute.** Triggered by the first unpack of a saved tensor of the region (innermost
+  regions trigger their ancestors first). It reruns the region's forward with its original
+  inputs, storing what the region's ops save (and the inputs of nested regions) until each
+  op's backward unpacks them, and stops early once the last tensor the region saved in forward
+  has been produced again (``early_stop=True``, PyTorch's default).
+* **Backward.** Ops run in reverse execution order. Each allocates a gradient for every input
+  that needs one (or accumulates into an existing one: a transient of that size), parameter
+  gradients the first time (resident until the step ends), then frees the gradient it consumed
+  and the tensors it had saved. View ops pass a view of their incoming gradient on.
+
+Peak = the most bytes live at any op, resident state (parameters, buffers, inputs, optimizer
+state) included.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+from ckptplan.errors import PlanFormatError
+from ckptplan.graph import ComputeGraph
+from ckptplan.plan import Plan, Region
+
+Phase = Literal["forward", "recompute", "backward"]
+# A storage instance: (storage index, tag); tag 0 is the original forward, tag u > 0 the
+# copy made when the region with uid u is recomputed.
+_Key = tuple[int, int]
+_Token = tuple
+
+
+@dataclass(frozen=True)
+class Event:
+    """Live bytes right after ``node`` allocated what it needs in ``phase``."""
+
+    phase: Phase
+    node: int
+    live_bytes: int
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one simulated step costs. ``recomputed`` counts every re-execution of a node."""
+
+    peak_bytes: int
+    peak_event: Event
+    recompute_flops: int
+    recompute_seconds: float
+    recomputed: tuple[int, ...]
+    timeline: tuple[Event, ...]
+    baseline_resident_bytes: int
+
+    @property
+    def overhead_cost(self) -> float:
+        return self.recompute_seconds
+
+
+@dataclass
+class _RegionInfo:
+    """A region of the plan with its place in the tree. ``items`` are the nodes directly in it
+    and its child regions, in execution order."""
+
+    uid: int
+    region: Region
+    parent: _RegionInfo | None
+    children: list[_RegionInfo]
+    keep: frozenset[int]
+    input_storages: tuple[int, ...] = ()
+
+    @property
+    def start(self) -> int:
+        return self.region.start
+
+    @property
+    def end(self) -> int:
+        return self.region.end
+
+
+class _Memory:
+    """Storage instances and who holds them; live bytes is the sum over held instances."""
+
+    def __init__(self, resident_bytes: int) -> None:
+        self.live_bytes = resident_bytes
+        self.peak_bytes = resident_bytes
+        self.peak_event = Event("forward", -1, resident_bytes)
+        self.timeline: list[Event] = []
+        self._holders: dict[_Key, set[_Token]] = {}
+        self._sizes: dict[_Key, int] = {}
+        self._keys_of_token: dict[_Token, set[_Key]] = defaultdict(set)
+
+    def hold(self, key: _Key, nbytes: int, token: _Token) -> None:
+        holders = self._holders.get(key)
+        if holders is None:
+            holders = self._holders[key] = set()
+            self._sizes[key] = nbytes
+            self.live_bytes += nbytes
+        holders.add(token)
+        self._keys_of_token[token].add(key)
+
+    def release(self, key: _Key, token: _Token) -> None:
+        holders = self._holders.get(key)
+        if holders is None or token not in holders:
+            return
+        holders.discard(token)
+        self._keys_of_token[token].discard(key)
+        if not holders:
+            del self._holders[key]
+            self.live_bytes -= self._sizes.pop(key)
+
+    def release_token(self, token: _Token) -> None:
+        for key in sorted(self._keys_of_token.pop(token, ())):
+            holders = self._holders.get(key)
+            if holders is None:
+                continue
+            holders.discard(token)
+            if not holders:
+                del self._holders[key]
+                self.live_bytes -= self._sizes.pop(key)
+
+    def observe(self, phase: Phase, node: int, extra_bytes: int = 0) -> None:
+        event = Event(phase, node, self.live_bytes + extra_bytes)
+        self.timeline.append(event)
+        if event.live_bytes > self.peak_bytes:
+            self.peak_bytes = event.live_bytes
+            self.peak_event = event
+
+
+def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Region]) -> list[_RegionInfo]:
+    """Validate ``regions`` against ``graph`` and number them (uid 1.. in pre-order).
+
+    Raises ``PlanFormatError`` for regions out of range, overlapping siblings, or keep-sets naming
+    nodes that are not directly in their region (a node inside a child belongs to the child).
+    """
+    n = len(graph.nodes)
+    counter = [0]
+
+    def make(region: Region, parent: _RegionInfo | None) -> _RegionInfo:
+        if region.end > n:
+            raise PlanFormatError(f"Region [{region.start}, {region.end}) runs past the graph's {n} nodes.")
+        counter[0] += 1
+        info = _RegionInfo(uid=counter[0], region=region, parent=parent, children=[], keep=frozenset())
+        previous_end = region.start
+        for child in region.children:
+            if child.start < previous_end or child.end > region.end:
+                raise PlanFormatError(
+                    f"Region [{child.start}, {child.end}) is not inside its parent or overlaps a sibling."
+                )
+            previous_end = child.end
+            info.children.append(make(child, info))
+        keep: set[int] = set()
+        for name in region.keep:
+            index = graph.index_of.get(name)
+            if index is None:
+                raise PlanFormatError(f"Region [{region.start}, {region.end}) keeps unknown node {name!r}.")
+            if not region.start <= index < region.end or any(c.start <= index < c.end for c in region.children):
+                raise PlanFormatError(
+                    f"Node {name!r} is kept by region [{region.start}, {region.end}) but is not directly in it."
+                )
+            keep.add(index)
+        info.keep = frozenset(keep)
+        inputs: set[int] = set()
+        for i in range(region.start, region.end):
+            for j in graph.nodes[i].inputs:
+                if j < region.start:
+                    inputs.update(graph.nodes[j].outputs)
+        info.input_storages = tuple(sorted(s for s in inputs if not graph.storages[s].is_static))
+        return info
+
+    tops: list[_RegionInfo] = []
+    previous_end = 0
+    for region in regions:
+        if region.start < previous_end:
+            raise PlanFormatError(f"Region [{region.start}, {region.end}) overlaps the region before it.")
+        previous_end = region.end
+        tops.append(make(region, None))
+    return tops
+
+
+class _Simulator:
+    def __init__(self, graph: ComputeGraph, regions: tuple[Region, ...] | list[Region]) -> None:
+        self.g = graph
+        self.n = len(graph.nodes)
+        self.tops = build_region_tree(graph, regions)
+        self.all_regions: list[_RegionInfo] = []
+        stack = list(reversed(self.tops))
+        while stack:
+            info = stack.pop()
+            self.all_regions.append(info)
+            stack.extend(reversed(info.children))
+        # chain[i]: regions containing node i, outermost first.
+        self.chain: list[tuple[_RegionInfo, ...]] = [()] * self.n
+        for info in self.all_regions:
+            for i in range(info.start, info.end):
+                self.chain[i] = self.chain[i] + (info,)
+        self.mem = _Memory(graph.static.resident_bytes)
+        self.input_keys: dict[int, dict[int, _Key]] = {}
+        self.cache_keys: dict[int, dict[int, list[_Key]]] = defaultdict(dict)
+        self.recomputed_regions: set[int] = set()
+        self.recomputed_nodes: list[int] = []
+        self._alias_nodes: dict[int, list[int]] = defaultdict(list)
+        for node in graph.nodes:
+            for s in node.outputs:
+                self._alias_nodes[s].append(node.index)
+
+    # ----------------------------------------------------------------- forward runs
+    def _last_uses(self, lo: int, hi: int, hi_live: int, root: _RegionInfo | None) -> dict[int, int]:
+        """Step after which a run over nodes ``[lo, hi]`` drops each value produced in it.
+
+        A value lives until its last reader up to ``hi_live``; a reader inside a region the run
+        enters keeps it until that region returns (the caller holds the region's arguments);
+        graph outputs live to the end of forward.
+        """
+        last: dict[int, int] = {}
+        for j in range(lo, hi + 1):
+            end = j
+            for u in self.g.users[j]:
+                if u > hi_live:
+                    break
+                for info in self.chain[u]:
+                    if info is not root and info.start > j and (root is None or self._inside(info, root)):
+                        u = max(u, min(info.end - 1, hi_live))
+                        break
+                end = max(end, u)
+            last[j] = end
+        if root is None:
+            for j in self.g.outputs:
+                last[j] = self.n
+        return last
+
+    @staticmethod
+    def _inside(info: _RegionInfo, root: _RegionInfo) -> bool:
+        parent = info.parent
+        while parent is not None:
+            if parent is root:
+                return True
+            parent = parent.parent
+        return False
+
+    def _run_forward(
+        self,
+        lo: int,
+        hi: int,
+        tag: int,
+        root: _RegionInfo | None,
+        env: dict[int, _Key],
+        stop_child: _RegionInfo | None = None,
+    ) -> None:
+        """Execute nodes ``[lo, hi]``: the whole forward (``root`` None) or a recompute of ``root``.
+
+        ``stop_child``: the recompute ends as this child region of ``root`` saves its inputs
+        (its body does not run); values it reads stay alive until then.
+        """
+        g, mem = self.g, self.mem
+        hi_live = stop_child.start if stop_child is not None else hi
+        last = self._last_uses(lo, hi, hi_live, root)
+        release_at: dict[int, list[int]] = defaultdict(list)
+        for j in range(lo, hi + 1):
+            for s in g.nodes[j].outputs:
+                if g.storages[s].producer == j:
+                    release_at[max(last[a] for a in self._aliases(s, lo, hi))].append(s)
+        fwd_token = ("fwd", tag)
+        for i in range(lo, hi + 1):
+            self._enter_regions(i, root, env)
+            owner = self.chain[i][-1] if self.chain[i] else None
+            kept = owner is not None and i in owner.keep
+            if kept and owner is root:
+                # Selective checkpointing: the op returns its cached outputs, nothing is recomputed.
+                for key in self.cache_keys[owner.uid].pop(i, []):
+                    env[key[0]] = key
+                    mem.hold(key, g.storages[key[0]].nbytes, fwd_token)
+                mem.release_token(("cache", owner.uid, i))
+            else:
+                if root is not None:
+                    self.recomputed_nodes.append(i)
+                for storage in g.produced_by(i):
+                    key = (storage.index, tag)
+                    env[storage.index] = key
+                    mem.hold(key, storage.nbytes, fwd_token)
+            mem.observe("forward" if root is None else "recompute", i)
+            self._save(i, owner, root, kept, tag, env)
+            for storage in g.produced_by(i):
+                if storage.kind == "hidden":
+                    mem.release(env[storage.index], fwd_token)
+            for s in release_at.pop(i, ()):
+                mem.release(env[s], fwd_token)
+        if stop_child is not None:
+            self._save_child_inputs(stop_child, env)
+        mem.release_token(fwd_token)
+
+    def _aliases(self, s: int, lo: int, hi: int) -> list[int]:
+        """Nodes in ``[lo, hi]`` whose output lives in storage ``s``."""
+        return [j for j in self._alias_nodes[s] if lo <= j <= hi]
+
+    def _enter_regions(self, i: int, root: _RegionInfo | None, env: dict[int, _Key]) -> None:
+        for info in self.chain[i]:
+            if info.start != i or info is root:
+                continue
+            if info.parent is root:
+                # Top level: frame.save_inputs keeps them for real. Child of the region being
+                # recomputed: saved into that frame. Deeper: dropped by the enclosing hook.
+                self._save_child_inputs(info, env)
+
+    def _save_child_inputs(self, info: _RegionInfo, env: dict[int, _Key]) -> None:
+        keys = {s: env.get(s, (s, 0)) for s in info.input_storages}
+        self.input_keys[info.uid] = keys
+        for s, key in keys.items():
+            self.mem.hold(key, self.g.storages[s].nbytes, ("rin", info.uid))
+
+    def _save(
+        self, i: int, owner: _RegionInfo | None, root: _RegionInfo | None, kept: bool, tag: int, env: dict[int, _Key]
+    ) -> None:
+        g, mem = self.g, self.mem
+        node = g.nodes[i]
+        if owner is root:
+            # Outside any region, or directly in the region being recomputed: autograd keeps it.
+            for s in node.saved:
+                if not g.storages[s].is_static:
+                    mem.hold(env.get(s, (s, 0)), g.storages[s].nbytes, ("saved", i))
+        elif kept:
+            cached = set(node.outputs) | {st.index for st in g.produced_by(i)}
+            keys = [env.get(s, (s, 0)) for s in sorted(cached) if not g.storages[s].is_static]
+            for key in keys:
+                mem.hold(key, g.storages[key[0]].nbytes, ("cache", owner.uid, i))
+            self.cache_keys[owner.uid][i] = keys
+
+    # ----------------------------------------------------------------- recompute
+    def _recompute(self, info: _RegionInfo) -> None:
+        """Rerun ``info``'s forward in backward, stopping once its last saved tensor is back."""
+        self.recomputed_regions.add(info.uid)
+        hi, stop_child = self._stop_point(info)
+        env = dict(self.input_keys.get(info.uid, {}))
+        self._run_forward(info.start, hi, info.uid, info, env, stop_child)
+        if info.parent is not None:
+            # get_inputs() unpacked them from the parent's frame; they die with this call.
+            self.mem.release_token(("rin", info.uid))
+
+    def _stop_point(self, info: _RegionInfo) -> tuple[int, _RegionInfo | None]:
+        """Where early stop ends a recompute of ``info``: after the last pack event in its frame,
+        i.e. the last node directly in it that saves something, or the last child region (which
+        saves its inputs into this frame before its body runs)."""
+        children = {c.start: c for c in info.children}
+        stop: tuple[int, _RegionInfo | None] = (info.start - 1, None)
+        i = info.start
+        while i < info.end:
+            child = children.get(i)
+            if child is not None:
+                stop = (child.start - 1, child)
+                i = child.end
+                continue
+            if self.g.nodes[i].saved:
+                stop = (i, None)
+            i += 1
+        return stop
+
+    # ----------------------------------------------------------------- backward
+    def run(self) -> Report:
+        g, mem = self.g, self.mem
+        self._run_forward(0, self.n - 1, 0, None, {})
+        grads: dict[int, _Key | None] = {i: None for i in g.loss_nodes}
+        grad_counter = 0
+        done_params: set[int] = set()
+        for i in reversed(range(self.n)):
+            node = g.nodes[i]
+            if node.requires_grad and i in grads:
+                if node.saved:
+                    for info in self.chain[i]:
+                        if info.uid not in self.recomputed_regions:
+                            self._recompute(info)
+                transient = 0
+                incoming = grads.get(i)
+                for j in sorted(set(node.grad_inputs)):
+                    size = g.nodes[j].output_bytes
+                    if j in grads:
+                        transient += size
+                    elif node.grad_aliases_output and incoming is not None:
+                        grads[j] = incoming
+                        mem.hold(incoming, 0, ("grad", j))
+                    else:
+                        grad_counter += 1
+                        key = (-grad_counter, 0)
+                        grads[j] = key
+                        mem.hold(key, size, ("grad", j))
+                for p in node.param_grads:
+                    if p in done_params:
+                        transient += g.storages[p].nbytes
+                    else:
+                        done_params.add(p)
+                        mem.hold((p, -1), g.storages[p].nbytes, ("param_grad",))
+                mem.observe("backward", i, transient)
+                if incoming is not None:
+                    mem.release(incoming, ("grad", i))
+                mem.release_token(("saved", i))
+            for info in reversed(self.chain[i]):
+                if info.start == i:
+                    mem.release_token(("rin", info.uid))
+                    for k in list(self.cache_keys[info.uid]):
+                        mem.release_token(("cache", info.uid, k))
+        recompute_flops = sum(g.nodes[i].fwd_flops for i in self.recomputed_nodes)
+        recompute_seconds = sum(g.nodes[i].fwd_cost for i in self.recomputed_nodes)
+        return Report(
+            peak_bytes=mem.peak_bytes,
+            peak_event=mem.peak_event,
+            recompute_flops=recompute_flops,
+            recompute_seconds=recompute_seconds,
+            recomputed=tuple(self.recomputed_nodes),
+            timeline=tuple(mem.timeline),
+            baseline_resident_bytes=g.static.resident_bytes,
+        )
+
+
+def simulate(graph: ComputeGraph, plan: Plan | tuple[Region, ...] | list[Region] = ()) -> Report:
+    """Peak bytes, recompute FLOPs and the memory timeline of one step under ``plan``."""
+    regions = plan.regions if isinstance(plan, Plan) else tuple(plan)
+    return _Simulator(graph, regions).run()

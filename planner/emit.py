@@ -1,0 +1,325 @@
+"""Rewrite the traced graph so a plan runs: regions become submodules called through
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, keep-sets become selective
+checkpoint policies (``create_selective_checkpoint_contexts``).
+
+The emitted module is a drop-in replacement for the profiled model: it shares the model's
+submodules, ``Parameter`` objects and buffers (so ``state_dict`` keys are identical and an
+optimizer built on either works), trains with the checkpointed graph, and in eval mode calls
+the model's own ``forward`` (the traced graph is a training-mode graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ckptplan.errors import PlanFormatError
+from ckptplan.graph import ComputeGraph
+from ckptplan.plan import Plan, Region
+from ckptplan.profiler.record import iter_compute_nodes
+from ckptplan.simulation import build_region_tree
+
+log = logging.getLogger(__name__)
+
+_STATE = threading.local()
+
+
+def _recomputing() -> bool:
+    """True while a checkpoint region is being recomputed in backward."""
+    return getattr(_STATE, "recompute_depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _recompute_scope() -> Iterator[None]:
+    _STATE.recompute_depth = getattr(_STATE, "recompute_depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.recompute_depth -= 1
+
+
+def _keep_begin(region_id: int) -> None:
+    """Marks the start of a kept node: the ops it dispatches are saved by region ``region_id``."""
+    _STATE.keep_owner = region_id
+
+
+def _keep_end() -> None:
+    _STATE.keep_owner = None
+
+
+def _batch_norm_once(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
+    """``aten.batch_norm`` that updates running statistics in forward only, not when recomputed.
+
+    In training mode the output uses batch statistics, so dropping the running buffers during
+    recomputation leaves the result unchanged."""
+    if training and _recomputing():
+        running_mean = running_var = None
+    return torch.ops.aten.batch_norm.default(
+        input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
+    )
+
+
+def _mutate_once(op, target, *args, **kwargs):
+    """An in-place update of model state (``num_batches_tracked += 1``) skipped when recomputing."""
+    if _recomputing():
+        return target
+    return op(target, *args, **kwargs)
+
+
+def _batch_norm_module_once(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """A BatchNorm module call (symbolic traces) that does not update its buffers when recomputed."""
+    if not (module.training and _recomputing()):
+        return module(input)
+    return nn.functional.batch_norm(input, None, None, module.weight, module.bias, True, 0.0, module.eps)
+
+
+class CheckpointRegion(nn.Module):
+    """Runs ``body`` under non-reentrant checkpoint, saving only the ops of nodes in its keep-set.
+
+    ``body`` is held outside the module tree: it owns no state (parameters arrive as arguments),
+    so the emitted module's ``state_dict`` is exactly the model's.
+    """
+
+    def __init__(self, body: torch.fx.GraphModule, region_id: int, keep: tuple[str, ...]) -> None:
+        super().__init__()
+        self.__dict__["body"] = body
+        self.region_id = region_id
+        self.keep = keep
+
+    def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if getattr(_STATE, "keep_owner", None) == self.region_id:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        if not self.keep:
+            return contextlib.nullcontext(), _recompute_scope()
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(self._policy)
+        return forward_ctx, _chain(recompute_ctx, _recompute_scope())
+
+    def forward(self, *args: Any) -> Any:
+        return _run_region(self, *args)
+
+    def extra_repr(self) -> str:
+        return f"region_id={self.region_id}, keep={list(self.keep)}"
+
+
+def _run_region(region: CheckpointRegion, *args: Any) -> Any:
+    """Call ``region``'s body under checkpoint.
+
+    The emitted graph calls this function rather than the region module, and checkpoint calls
+    ``body.forward``, so global module hooks (``ModTracker``, ``MemTracker``) never see
+    parameters passed as region arguments and cannot leave gradient hooks on them.
+    """
+    return checkpoint(
+        region.body.forward, *args, use_reentrant=False, context_fn=region._contexts, preserve_rng_state=True
+    )
+
+
+@contextlib.contextmanager
+def _chain(*managers: contextlib.AbstractContextManager) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
+class CheckpointedModule(torch.fx.GraphModule):
+    """The emitted module: the traced training graph with checkpoint regions.
+
+    Shares the profiled model's submodules, parameters and buffers; in eval mode it calls the
+    model itself.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.training:
+            model = self.__dict__["_ckptplan_model"]
+            model.training = False
+            return model(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModule:
+    """A ``torch.fx.GraphModule`` that runs ``graph``'s model under ``plan``'s regions."""
+    if graph.traced is None or graph.model is None:
+        raise PlanFormatError("This ComputeGraph has no traced module to rewrite; profile the model again.")
+    regions = tuple(plan.regions) if isinstance(plan, Plan) else tuple(plan)
+    tops = build_region_tree(graph, regions)  # validates bounds and keep-sets
+    del tops
+    source: torch.fx.GraphModule = graph.traced
+    model: nn.Module = graph.model
+    new_graph = torch.fx.Graph()
+    value_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    output = new_graph.graph_copy(source.graph, value_map)
+    new_graph.output(output)
+    new_graph._codegen = source.graph._codegen
+    compute = list(iter_compute_nodes(source))
+    if [n.name for n in compute] != [n.name for n in graph.nodes]:
+        raise PlanFormatError("The traced module no longer matches its ComputeGraph; profile the model again.")
+    by_index = [value_map[n] for n in compute]
+
+    counter = [0]
+    wrappers: dict[str, CheckpointRegion] = {}
+    owner_modules = dict(source.named_modules())
+    for region in regions:
+        name, wrapper = _outline(new_graph, by_index, region, counter, owner_modules)
+        wrappers[name] = wrapper
+    new_graph.lint()
+
+    root: dict[str, Any] = {**wrappers}
+    for fx_node in new_graph.nodes:
+        if fx_node.op in ("get_attr", "call_module") and fx_node.target not in root:
+            root[fx_node.target] = source.get_submodule(fx_node.target) if fx_node.op == "call_module" else _fetch(source, fx_node.target)
+    module = CheckpointedModule(root, new_graph, class_name=f"Checkpointed{graph.name}")
+    _share_state(module, model, source, wrappers)
+    return module
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _share_state(module: CheckpointedModule, model: nn.Module, source: torch.fx.GraphModule,
+                 wrappers: dict[str, CheckpointRegion]) -> None:
+    """Make ``module``'s module tree the model's: same children, parameters and buffers."""
+    children: dict[str, nn.Module] = dict(model._modules)
+    for name in ("_guards_fn",):
+        if hasattr(source, name):
+            children[name] = getattr(source, name)
+    clash = set(children) & set(wrappers)
+    if clash:
+        raise PlanFormatError(f"The model has a submodule named {sorted(clash)[0]!r}, which ckptplan reserves.")
+    children.update(wrappers)
+    module.__dict__["_modules"] = children
+    module.__dict__["_parameters"] = model._parameters
+    module.__dict__["_buffers"] = model._buffers
+    module.__dict__["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
+    module.__dict__["_ckptplan_model"] = model
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(source, attr):
+            module.__dict__[attr] = getattr(source, attr)
+    module.training = True
+
+
+def _outline(
+    graph: torch.fx.Graph,
+    by_index: list[torch.fx.Node],
+    region: Region,
+    counter: list[int],
+    owner_modules: dict[str, nn.Module],
+) -> tuple[str, CheckpointRegion]:
+    """Move ``region``'s nodes out of ``graph`` into a body graph called through a region module."""
+    counter[0] += 1
+    region_id = counter[0]
+    members = by_index[region.start:region.end]
+    member_set = set(members)
+    inputs: list[torch.fx.Node] = []
+    for fx_node in members:
+        for used in fx_node.all_input_nodes:
+            if used not in member_set and used not in inputs:
+                inputs.append(used)
+    outputs = [n for n in members if any(user not in member_set for user in n.users)]
+
+    body = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for fx_input in inputs:
+        env[fx_input] = body.placeholder(fx_input.name)
+        env[fx_input].meta = dict(fx_input.meta)
+    keep = set(region.keep)
+    body_modules: dict[str, Any] = {}
+    for fx_node in members:
+        if fx_node.name in keep:
+            body.call_function(_keep_begin, (region_id,))
+        copied = body.node_copy(fx_node, lambda n: env[n])
+        if fx_node.name in keep:
+            body.call_function(_keep_end, ())
+        env[fx_node] = copied
+        _guard_state_updates(body, copied, owner_modules, inputs, env, body_modules)
+        if copied.op == "call_module" and copied.target not in body_modules:
+            body_modules[copied.target] = owner_modules[copied.target]
+    body.output(tuple(env[n] for n in outputs))
+
+    # Nested regions: outline the children inside the body.
+    body_index = {fx_node: env[fx_node] for fx_node in members}
+    child_wrappers: dict[str, CheckpointRegion] = {}
+    local_by_index = list(by_index)
+    for position in range(region.start, region.end):
+        local_by_index[position] = body_index[by_index[position]]
+    for child in region.children:
+        name, wrapper = _outline(body, local_by_index, child, counter, owner_modules)
+        child_wrappers[name] = wrapper
+    body.lint()
+    root = {**body_modules, **child_wrappers}
+    for fx_node in body.nodes:
+        if fx_node.op == "get_attr" and fx_node.target not in root:
+            root[fx_node.target] = _fetch_from(owner_modules, fx_node.target)
+    body_module = torch.fx.GraphModule(root, body, class_name=f"Region{region_id}")
+    wrapper = CheckpointRegion(body_module, region_id, tuple(region.keep))
+    name = f"_ckptplan_region_{region_id}"
+
+    # Replace the members in the parent graph by one call and getitems. Attribute reads
+    # interleaved with the members move up so the call sees them.
+    first = members[0]
+    for fx_input in inputs:
+        if fx_input.op == "get_attr":
+            first.prepend(fx_input)
+    with graph.inserting_before(first):
+        region_module = graph.get_attr(name)
+        call = graph.call_function(_run_region, (region_module, *inputs))
+        call.meta["ckptplan_region"] = region_id
+        results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
+    for original, result in zip(outputs, results):
+        result.meta = dict(original.meta)
+        original.replace_all_uses_with(result, delete_user_cb=lambda user: user not in member_set)
+    for fx_node in reversed(members):
+        graph.erase_node(fx_node)
+    for position in range(region.start, region.end):
+        by_index[position] = call
+    return name, wrapper
+
+
+def _fetch_from(modules: dict[str, nn.Module], target: str) -> Any:
+    owner, _, attr = target.rpartition(".")
+    return getattr(modules[owner], attr)
+
+
+def _guard_state_updates(
+    body: torch.fx.Graph,
+    copied: torch.fx.Node,
+    owner_modules: dict[str, nn.Module],
+    inputs: list[torch.fx.Node],
+    env: dict[torch.fx.Node, torch.fx.Node],
+    body_modules: dict[str, Any],
+) -> None:
+    """Keep buffer updates to once per step: recomputation must not repeat them."""
+    target = copied.target
+    if copied.op == "call_function" and target is torch.ops.aten.batch_norm.default:
+        copied.target = _batch_norm_once
+    elif copied.op == "call_function" and isinstance(target, torch._ops.OpOverload) and _mutates_first_arg(target):
+        first = copied.args[0] if copied.args else None
+        if isinstance(first, torch.fx.Node) and first.op == "placeholder":
+            copied.target = _mutate_once
+            copied.args = (target, *copied.args)
+    elif copied.op == "call_module" and isinstance(owner_modules.get(copied.target), nn.modules.batchnorm._BatchNorm):
+        module_node = body.get_attr(copied.target)
+        copied.prepend(module_node)
+        body_modules[copied.target] = owner_modules[copied.target]
+        copied.op = "call_function"
+        copied.args = (module_node, *copied.args)
+        copied.target = _batch_norm_module_once
+
+
+def _mutates_first_arg(op: torch._ops.OpOverload) -> bool:
+    arguments = op._schema.arguments
+    return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write

@@ -1,0 +1,324 @@
+"""Run a traced graph once on fake tensors, op by op, and record what each op allocates, saves
+for backward, and costs.
+
+Everything runs under ``FakeTensorMode``: shapes, dtypes, aliasing and autograd's saved tensors
+are real, memory and compute are not, so a model on the ``meta`` device or too large for this
+machine profiles the same way, and the model's own parameters and buffers are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.flop_counter import FlopCounterMode
+
+from ckptplan.errors import TraceError
+from ckptplan.graph import Node, Storage, StorageKind
+from ckptplan.profiler.cost import Roofline
+
+log = logging.getLogger(__name__)
+
+_SKIPPED_MODULES = frozenset({"_guards_fn"})
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the allocation behind ``t`` (views share it). Valid while ``t`` is alive."""
+    return t.untyped_storage()._cdata
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class Recording:
+    """Result of one fake run: nodes, storages and the fx names of the compute nodes."""
+
+    nodes: list[Node] = field(default_factory=list)
+    storages: list[Storage] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    loss_nodes: list[int] = field(default_factory=list)
+    output_value: Any = None
+
+
+class _Recorder:
+    def __init__(self, gm: torch.fx.GraphModule, roofline: Roofline) -> None:
+        self.gm = gm
+        self.roofline = roofline
+        self.storage_of: dict[int, int] = {}  # storage_key -> storage index
+        self.keep_alive: list[torch.Tensor] = []  # storage keys stay unique while these live
+        self.rec = Recording()
+        self.node_index: dict[torch.fx.Node, int] = {}
+        self.value_owner: dict[int, int] = {}  # id(value) of a node's output -> node index
+
+    def add_storage(self, t: torch.Tensor, kind: StorageKind, producer: int = -1, trainable: bool = False) -> int:
+        key = storage_key(t)
+        index = self.storage_of.get(key)
+        if index is None:
+            index = len(self.rec.storages)
+            self.rec.storages.append(
+                Storage(index=index, nbytes=t.untyped_storage().nbytes(), kind=kind, producer=producer, trainable=trainable)
+            )
+            self.storage_of[key] = index
+            self.keep_alive.append(t)
+        return index
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if node.op == "call_module":
+        return str(node.target)
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return str(path)
+
+
+def _op_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return str(target)
+    if target is operator.getitem:
+        return "getitem"
+    return torch.fx.node._get_qualified_name(target)
+
+
+def _fake_state(gm: torch.fx.GraphModule, mode: FakeTensorMode) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    memo: dict[int, torch.Tensor] = {}
+    named = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        fake = memo.get(id(tensor))
+        if fake is None:
+            fake = mode.from_tensor(tensor, static_shapes=True)
+            if isinstance(tensor, nn.Parameter):
+                fake.requires_grad_(tensor.requires_grad)
+            memo[id(tensor)] = fake
+        state[name] = fake
+    return state
+
+
+def record(
+    gm: torch.fx.GraphModule,
+    flat_inputs: list[Any],
+    roofline: Roofline,
+    loss_leaves_fn: Any,
+) -> Recording:
+    """Interpret ``gm`` node by node on fake copies of its state and ``flat_inputs``."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    recorder = _Recorder(gm, roofline)
+    fake_state = _fake_state(gm, mode)
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    for name, fake in fake_state.items():
+        kind: StorageKind = "param" if name in params else "buffer"
+        recorder.add_storage(fake, kind, trainable=kind == "param" and fake.requires_grad)
+    fake_inputs = [
+        mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in flat_inputs
+    ]
+    for x in fake_inputs:
+        if isinstance(x, torch.Tensor):
+            recorder.add_storage(x, "input")
+    try:
+        with _reparametrize_module(gm, fake_state), mode:
+            _interpret(recorder, fake_inputs, loss_leaves_fn)
+    except TraceError:
+        raise
+    except Exception as exc:
+        raise TraceError(
+            f"Profiling failed while running the traced graph on fake tensors ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); try the other trace option."
+        ) from exc
+    return recorder.rec
+
+
+def _interpret(recorder: _Recorder, fake_inputs: list[Any], loss_leaves_fn: Any) -> None:
+    gm = recorder.gm
+    env: dict[torch.fx.Node, Any] = {}
+    inputs = iter(fake_inputs)
+    saved_log: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved_log.append(t)
+        return t
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for fx_node in gm.graph.nodes:
+            if fx_node.op == "placeholder":
+                env[fx_node] = next(inputs)
+            elif fx_node.op == "get_attr":
+                env[fx_node] = _fetch_attr(gm, fx_node.target)
+            elif fx_node.op == "output":
+                _record_outputs(recorder, fx_node, env, loss_leaves_fn)
+            elif fx_node.op == "call_module" and fx_node.target in _SKIPPED_MODULES:
+                env[fx_node] = None
+            else:
+                saved_log.clear()
+                env[fx_node] = _record_node(recorder, fx_node, env, saved_log, counter)
+
+
+def _fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _run(gm: torch.fx.GraphModule, fx_node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    if fx_node.op == "call_function":
+        return fx_node.target(*args, **kwargs)
+    if fx_node.op == "call_method":
+        self_obj, *rest = args
+        return getattr(self_obj, fx_node.target)(*rest, **kwargs)
+    if fx_node.op == "call_module":
+        return gm.get_submodule(fx_node.target)(*args, **kwargs)
+    raise AssertionError(f"unexpected fx op {fx_node.op}")
+
+
+def _record_node(
+    recorder: _Recorder,
+    fx_node: torch.fx.Node,
+    env: dict[torch.fx.Node, Any],
+    saved_log: list[torch.Tensor],
+    counter: FlopCounterMode,
+) -> Any:
+    gm, rec = recorder.gm, recorder.rec
+    index = len(rec.nodes)
+    args = torch.fx.node.map_arg(fx_node.args, lambda n: env[n])
+    kwargs = torch.fx.node.map_arg(fx_node.kwargs, lambda n: env[n])
+    flops_before = counter.get_total_flops()
+    out = _run(gm, fx_node, args, kwargs)
+    fwd_flops = counter.get_total_flops() - flops_before
+
+    out_tensors = _tensors(out)
+    outputs: list[int] = []
+    for t in out_tensors:
+        s = recorder.add_storage(t, "activation", producer=index)
+        if s not in outputs:
+            outputs.append(s)
+    saved: list[int] = []
+    for t in saved_log:
+        s = recorder.add_storage(t, "hidden", producer=index)
+        if s not in saved:
+            saved.append(s)
+
+    input_nodes = [n for n in fx_node.all_input_nodes if n in recorder.node_index]
+    inputs = tuple(dict.fromkeys(recorder.node_index[n] for n in input_nodes))
+    grad_inputs = tuple(
+        recorder.node_index[n] for n in dict.fromkeys(input_nodes)
+        if any(t.requires_grad and t.is_floating_point() for t in _tensors(env[n]))
+    )
+    param_tensors = _param_inputs(recorder, fx_node, args, kwargs)
+    param_grads = tuple(dict.fromkeys(recorder.storage_of[storage_key(p)] for p in param_tensors))
+    grad_outputs = [t for t in out_tensors if t.requires_grad and t.is_floating_point()]
+    requires_grad = bool(grad_outputs)
+
+    in_tensors = _tensors((args, kwargs))
+    bytes_moved = sum(tensor_bytes(t) for t in in_tensors) + sum(tensor_bytes(t) for t in out_tensors)
+    bwd_flops, aliases = 0, False
+    if requires_grad and (grad_inputs or param_grads):
+        wrt = [t for n in dict.fromkeys(input_nodes) for t in _tensors(env[n]) if t.requires_grad]
+        bwd_flops, aliases = _local_backward(grad_outputs, wrt, param_tensors, counter)
+    node = Node(
+        index=index,
+        name=fx_node.name,
+        op=_op_name(fx_node, gm),
+        module=_module_path(fx_node),
+        inputs=inputs,
+        outputs=tuple(outputs),
+        saved=tuple(saved),
+        grad_inputs=grad_inputs,
+        param_grads=param_grads,
+        requires_grad=requires_grad,
+        grad_aliases_output=aliases,
+        output_bytes=sum(tensor_bytes(t) for t in grad_outputs),
+        fwd_flops=int(fwd_flops),
+        bwd_flops=int(bwd_flops),
+        bytes_moved=int(bytes_moved),
+        fwd_cost=recorder.roofline.seconds(fwd_flops, bytes_moved),
+        bwd_cost=recorder.roofline.seconds(bwd_flops, 2 * bytes_moved) if requires_grad else 0.0,
+    )
+    rec.nodes.append(node)
+    recorder.node_index[fx_node] = index
+    recorder.keep_alive.extend(out_tensors)
+    return out
+
+
+def _param_inputs(recorder: _Recorder, fx_node: torch.fx.Node, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Trainable parameters the op reads: get_attr arguments, or a called module's own."""
+    candidates = _tensors((args, kwargs))
+    if fx_node.op == "call_module":
+        candidates += list(recorder.gm.get_submodule(fx_node.target).parameters())
+    found: dict[int, torch.Tensor] = {}
+    for t in candidates:
+        index = recorder.storage_of.get(storage_key(t))
+        if index is not None and recorder.rec.storages[index].trainable and t.requires_grad:
+            found.setdefault(index, t)
+    return list(found.values())
+
+
+def _local_backward(
+    grad_outputs: list[torch.Tensor],
+    wrt: list[torch.Tensor],
+    params: list[torch.Tensor],
+    counter: FlopCounterMode,
+) -> tuple[int, bool]:
+    """Backward FLOPs of this op alone, and whether the input gradients it produces are views of
+    the gradient it receives (view ops)."""
+    targets = list({id(t): t for t in wrt + params}.values())
+    seeds = [torch.ones_like(t) for t in grad_outputs]
+    before = counter.get_total_flops()
+    try:
+        grads = torch.autograd.grad(grad_outputs, targets, seeds, retain_graph=True, allow_unused=True)
+    except RuntimeError as exc:
+        log.debug("local backward failed (%s); assuming no aliasing", exc)
+        return 0, False
+    flops = counter.get_total_flops() - before
+    seed_keys = {storage_key(s) for s in seeds}
+    activation_grads = [g for g, t in zip(grads, targets) if g is not None and not any(t is p for p in params)]
+    aliases = bool(activation_grads) and all(storage_key(g) in seed_keys for g in activation_grads)
+    return int(flops), aliases
+
+
+def _record_outputs(recorder: _Recorder, fx_node: torch.fx.Node, env: dict, loss_leaves_fn: Any) -> None:
+    rec = recorder.rec
+    flat_nodes = [n for n in pytree.tree_leaves(fx_node.args[0]) if isinstance(n, torch.fx.Node)]
+    rec.outputs = sorted({recorder.node_index[n] for n in flat_nodes if n in recorder.node_index})
+    value = torch.fx.node.map_arg(fx_node.args[0], lambda n: env[n])
+    codegen = recorder.gm.graph._codegen
+    out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
+    if out_spec is not None:
+        value = pytree.tree_unflatten(list(value) if isinstance(value, (tuple, list)) else [value], out_spec)
+    rec.output_value = value
+    owners = {}
+    for fx_out in flat_nodes:
+        if fx_out in recorder.node_index:
+            for t in _tensors(env[fx_out]):
+                owners.setdefault(id(t), recorder.node_index[fx_out])
+    rec.loss_nodes = sorted({owners[id(t)] for t in loss_leaves_fn(value) if id(t) in owners})
+
+
+def iter_compute_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
+    """The fx nodes that become ``ComputeGraph`` nodes, in execution order."""
+    for fx_node in gm.graph.nodes:
+        if fx_node.op in ("call_function", "call_method") or (
+            fx_node.op == "call_module" and fx_node.target not in _SKIPPED_MODULES
+        ):
+            yield fx_node
