@@ -53,6 +53,9 @@ class Node:
     ``grad_aliases_output``: the gradients it passes to its inputs are views of the gradient
     it receives (view ops), so backward allocates nothing for them.
     ``output_bytes``: bytes of its floating output tensors (the size of their gradient).
+    ``fwd_workspace_bytes`` / ``bwd_workspace_bytes``: temporaries the op allocates and frees
+    inside its forward / backward, beyond what it returns (composite ops: math attention,
+    cross-entropy).
     ``fwd_cost`` / ``bwd_cost``: roofline time estimates in seconds (see profiler.cost).
     """
 
@@ -70,6 +73,8 @@ class Node:
     output_bytes: int = 0
     fwd_flops: int = 0
     bwd_flops: int = 0
+    fwd_workspace_bytes: int = 0
+    bwd_workspace_bytes: int = 0
     bytes_moved: int = 0
     fwd_cost: float = 0.0
     bwd_cost: float = 0.0
@@ -168,6 +173,13 @@ class ComputeGraph:
             for i in sorted(set(node.inputs)):
                 users[i].append(node.index)
         return tuple(tuple(u) for u in users)
+
+    @cached_property
+    def baseline_peak_bytes(self) -> int:
+        """Peak of one step without checkpointing, as ``simulate`` computes it."""
+        from ckptplan.simulation import simulate
+
+        return simulate(self, ()).peak_bytes
 
     @cached_property
     def total_fwd_flops(self) -> int:

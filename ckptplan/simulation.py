@@ -289,17 +289,25 @@ class _Simulator:
             else:
                 if root is not None:
                     self.recomputed_nodes.append(i)
-                for storage in g.produced_by(i):
+                produced = g.produced_by(i)
+                if root is not None and stop_child is None and i == hi:
+                    # Early stop fires at this op's last pack: autograd saves inputs before the op
+                    # computes, so only what the op saves of its own allocations exists by then.
+                    saved = set(g.nodes[i].saved)
+                    produced = tuple(st for st in produced if st.index in saved)
+                for storage in produced:
                     key = (storage.index, tag)
                     env[storage.index] = key
                     mem.hold(key, storage.nbytes, fwd_token)
-            mem.observe("forward" if root is None else "recompute", i)
+            workspace = 0 if kept and owner is root else g.nodes[i].fwd_workspace_bytes
+            mem.observe("forward" if root is None else "recompute", i, workspace)
             self._save(i, owner, root, kept, tag, env)
             for storage in g.produced_by(i):
-                if storage.kind == "hidden":
+                if storage.kind == "hidden" and storage.index in env:
                     mem.release(env[storage.index], fwd_token)
             for s in release_at.pop(i, ()):
-                mem.release(env[s], fwd_token)
+                if s in env:
+                    mem.release(env[s], fwd_token)
         if stop_child is not None:
             self._save_child_inputs(stop_child, env)
         mem.release_token(fwd_token)
@@ -403,7 +411,7 @@ class _Simulator:
                     else:
                         done_params.add(p)
                         mem.hold((p, -1), g.storages[p].nbytes, ("param_grad",))
-                mem.observe("backward", i, transient)
+                mem.observe("backward", i, transient + node.bwd_workspace_bytes)
                 if incoming is not None:
                     mem.release(incoming, ("grad", i))
                 mem.release_token(("saved", i))

@@ -1,0 +1,32 @@
+"""planner: orchestration around the solvers.
+
+``simulate`` (the referee: memory and recompute of any plan), ``make_plan`` (a plan from
+regions), ``emit`` (the FX rewrite that runs a plan), ``checkpoint`` / ``apply`` (one-call use),
+``measure_step`` (a real step's peak with MemTracker), and plan I/O.
+"""
+
+from __future__ import annotations
+
+from ckptplan.build import make_plan
+from ckptplan.plan import Plan, load_plan
+from ckptplan.planner.api import apply, checkpoint
+from ckptplan.planner.emit import CheckpointedModule, emit
+from ckptplan.planner.io import save_plan
+from ckptplan.planner.measure import Measurement, measure_step
+from ckptplan.simulation import Event, Report, simulate
+
+__all__ = [
+    "CheckpointedModule",
+    "Event",
+    "Measurement",
+    "Plan",
+    "Report",
+    "apply",
+    "checkpoint",
+    "emit",
+    "load_plan",
+    "make_plan",
+    "measure_step",
+    "save_plan",
+    "simulate",
+]

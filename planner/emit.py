@@ -58,10 +58,10 @@ def _keep_end() -> None:
 def _batch_norm_once(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
     """``aten.batch_norm`` that updates running statistics in forward only, not when recomputed.
 
-    In training mode the output uses batch statistics, so dropping the running buffers during
-    recomputation leaves the result unchanged."""
-    if training and _recomputing():
-        running_mean = running_var = None
+    In training mode the output uses batch statistics, so updating throwaway copies of the
+    running buffers during recomputation leaves the result (and what autograd saves) unchanged."""
+    if training and _recomputing() and running_mean is not None:
+        running_mean, running_var = running_mean.clone(), running_var.clone()
     return torch.ops.aten.batch_norm.default(
         input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
     )
@@ -76,9 +76,12 @@ def _mutate_once(op, target, *args, **kwargs):
 
 def _batch_norm_module_once(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """A BatchNorm module call (symbolic traces) that does not update its buffers when recomputed."""
-    if not (module.training and _recomputing()):
+    if not (module.training and _recomputing()) or module.running_mean is None:
         return module(input)
-    return nn.functional.batch_norm(input, None, None, module.weight, module.bias, True, 0.0, module.eps)
+    return nn.functional.batch_norm(
+        input, module.running_mean.clone(), module.running_var.clone(), module.weight, module.bias,
+        True, module.momentum if module.momentum is not None else 0.0, module.eps,
+    )
 
 
 class CheckpointRegion(nn.Module):
@@ -231,10 +234,28 @@ def _outline(
                 inputs.append(used)
     outputs = [n for n in members if any(user not in member_set for user in n.users)]
 
+    # Buffers are not checkpoint arguments: checkpoint saves its tensor arguments and checks
+    # their version on recompute, but BatchNorm updates its buffers in place. The region gets
+    # the owning module instead and reads the buffer inside (``_read_state``).
     body = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
+    call_args: list[torch.fx.Node] = []
+    owner_placeholders: dict[torch.fx.Node, torch.fx.Node] = {}
+    state_reads: list[tuple[torch.fx.Node, torch.fx.Node, str]] = []
     for fx_input in inputs:
-        env[fx_input] = body.placeholder(fx_input.name)
+        owner_ref = _buffer_owner(graph, fx_input, owner_modules)
+        if owner_ref is None:
+            env[fx_input] = body.placeholder(fx_input.name)
+            env[fx_input].meta = dict(fx_input.meta)
+            call_args.append(fx_input)
+        else:
+            owner_node, attr = owner_ref
+            state_reads.append((fx_input, owner_node, attr))
+    for fx_input, owner_node, attr in state_reads:
+        if owner_node not in owner_placeholders:
+            owner_placeholders[owner_node] = body.placeholder(f"{owner_node.name}_module")
+            call_args.append(owner_node)
+        env[fx_input] = body.call_function(_read_state, (owner_placeholders[owner_node], attr))
         env[fx_input].meta = dict(fx_input.meta)
     keep = set(region.keep)
     body_modules: dict[str, Any] = {}
@@ -245,7 +266,7 @@ def _outline(
         if fx_node.name in keep:
             body.call_function(_keep_end, ())
         env[fx_node] = copied
-        _guard_state_updates(body, copied, owner_modules, inputs, env, body_modules)
+        _guard_state_updates(body, copied, owner_modules, body_modules)
         if copied.op == "call_module" and copied.target not in body_modules:
             body_modules[copied.target] = owner_modules[copied.target]
     body.output(tuple(env[n] for n in outputs))
@@ -271,12 +292,12 @@ def _outline(
     # Replace the members in the parent graph by one call and getitems. Attribute reads
     # interleaved with the members move up so the call sees them.
     first = members[0]
-    for fx_input in inputs:
-        if fx_input.op == "get_attr":
+    for fx_input in call_args:
+        if fx_input.op == "get_attr" and fx_input > first:
             first.prepend(fx_input)
     with graph.inserting_before(first):
         region_module = graph.get_attr(name)
-        call = graph.call_function(_run_region, (region_module, *inputs))
+        call = graph.call_function(_run_region, (region_module, *call_args))
         call.meta["ckptplan_region"] = region_id
         results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
     for original, result in zip(outputs, results):
@@ -289,6 +310,29 @@ def _outline(
     return name, wrapper
 
 
+def _read_state(module: nn.Module, name: str) -> torch.Tensor:
+    """Read a buffer at call time, so the region sees what ``.to()`` or ``load_state_dict`` put there."""
+    return getattr(module, name)
+
+
+def _buffer_owner(
+    graph: torch.fx.Graph, fx_input: torch.fx.Node, owner_modules: dict[str, nn.Module]
+) -> tuple[torch.fx.Node, str] | None:
+    """For a region input that is a submodule's buffer, the node giving its owning module and
+    the buffer's name; None for anything else (parameters, activations, top-level buffers)."""
+    if fx_input.op == "call_function" and fx_input.target is _read_state:
+        return fx_input.args[0], fx_input.args[1]
+    if fx_input.op != "get_attr":
+        return None
+    owner_path, _, attr = str(fx_input.target).rpartition(".")
+    owner = owner_modules.get(owner_path)
+    if not owner_path or owner is None or attr not in owner._buffers:
+        return None
+    with graph.inserting_before(fx_input):
+        owner_node = graph.get_attr(owner_path)
+    return owner_node, attr
+
+
 def _fetch_from(modules: dict[str, nn.Module], target: str) -> Any:
     owner, _, attr = target.rpartition(".")
     return getattr(modules[owner], attr)
@@ -298,8 +342,6 @@ def _guard_state_updates(
     body: torch.fx.Graph,
     copied: torch.fx.Node,
     owner_modules: dict[str, nn.Module],
-    inputs: list[torch.fx.Node],
-    env: dict[torch.fx.Node, torch.fx.Node],
     body_modules: dict[str, Any],
 ) -> None:
     """Keep buffer updates to once per step: recomputation must not repeat them."""
@@ -308,7 +350,10 @@ def _guard_state_updates(
         copied.target = _batch_norm_once
     elif copied.op == "call_function" and isinstance(target, torch._ops.OpOverload) and _mutates_first_arg(target):
         first = copied.args[0] if copied.args else None
-        if isinstance(first, torch.fx.Node) and first.op == "placeholder":
+        external = isinstance(first, torch.fx.Node) and (
+            first.op == "placeholder" or (first.op == "call_function" and first.target is _read_state)
+        )
+        if external:
             copied.target = _mutate_once
             copied.args = (target, *copied.args)
     elif copied.op == "call_module" and isinstance(owner_modules.get(copied.target), nn.modules.batchnorm._BatchNorm):

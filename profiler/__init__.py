@@ -18,7 +18,7 @@ from torch import nn
 from ckptplan.graph import ComputeGraph, TensorSpec
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.loss import loss_leaves, training_loss
-from ckptplan.profiler.record import record
+from ckptplan.profiler.record import record_graph
 from ckptplan.profiler.static import static_memory
 from ckptplan.profiler.trace import TraceMode, trace_model
 
@@ -46,7 +46,7 @@ def profile(
     started = time.perf_counter()
     traced = trace_model(model, args, kwargs, trace)
     traced_seconds = time.perf_counter() - started
-    recording = record(traced.gm, traced.flat_inputs, roofline, loss_leaves)
+    recording = record_graph(traced.gm, traced.flat_inputs, roofline, loss_leaves)
     static = static_memory(recording.storages, optimizer)
     graph = ComputeGraph(
         name=type(model).__name__,

@@ -18,7 +18,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckptplan.errors import TraceError
@@ -41,6 +43,60 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+class _AllocationMeter(TorchDispatchMode):
+    """Peak bytes of storages allocated since ``start()`` and still alive, op by op.
+
+    Lets the recorder see what an op allocates and frees *inside* itself (the temporaries of
+    composite ops such as math attention or cross-entropy), which no node output shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._known: set[int] = set()
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def start(self, existing: set[int], watch: list[torch.Tensor] = ()) -> None:
+        """Measure from zero. ``existing`` storages are ignored; ``watch`` storages already exist
+        and count as freed (negative) when they die."""
+        self._live.clear()
+        self._known = existing
+        self.current_bytes = self.peak_bytes = 0
+        for t in watch:
+            key = storage_key(t)
+            if key not in existing and key not in self._live:
+                self._live[key] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+                self._known = self._known | {key}
+
+    def alive_bytes(self, keys: set[int]) -> int:
+        """Bytes of storages allocated since ``start()`` whose keys are in ``keys``."""
+        self._prune()
+        return sum(nbytes for key, (_, nbytes) in self._live.items() if key in keys)
+
+    def _prune(self) -> None:
+        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
+            self.current_bytes -= self._live.pop(key)[1]
+
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._prune()
+        for t in _tensors(out):
+            key = storage_key(t)
+            if key not in self._live and key not in self._known:
+                nbytes = t.untyped_storage().nbytes()
+                self._live[key] = (StorageWeakRef(t.untyped_storage()), nbytes)
+                self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        return out
+
+
+@dataclass
+class _Meters:
+    flops: FlopCounterMode
+    alloc: _AllocationMeter
 
 
 @dataclass
@@ -115,7 +171,7 @@ def _fake_state(gm: torch.fx.GraphModule, mode: FakeTensorMode) -> dict[str, tor
     return state
 
 
-def record(
+def record_graph(
     gm: torch.fx.GraphModule,
     flat_inputs: list[Any],
     roofline: Roofline,
@@ -158,8 +214,8 @@ def _interpret(recorder: _Recorder, fake_inputs: list[Any], loss_leaves_fn: Any)
         saved_log.append(t)
         return t
 
-    counter = FlopCounterMode(display=False)
-    with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    counter = _Meters(FlopCounterMode(display=False), _AllocationMeter())
+    with counter.flops, counter.alloc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for fx_node in gm.graph.nodes:
             if fx_node.op == "placeholder":
                 env[fx_node] = next(inputs)
@@ -197,15 +253,18 @@ def _record_node(
     fx_node: torch.fx.Node,
     env: dict[torch.fx.Node, Any],
     saved_log: list[torch.Tensor],
-    counter: FlopCounterMode,
+    counter: _Meters,
 ) -> Any:
     gm, rec = recorder.gm, recorder.rec
     index = len(rec.nodes)
     args = torch.fx.node.map_arg(fx_node.args, lambda n: env[n])
     kwargs = torch.fx.node.map_arg(fx_node.kwargs, lambda n: env[n])
-    flops_before = counter.get_total_flops()
+    flops_before = counter.flops.get_total_flops()
+    counter.alloc.start(set(recorder.storage_of))
     out = _run(gm, fx_node, args, kwargs)
-    fwd_flops = counter.get_total_flops() - flops_before
+    fwd_flops = counter.flops.get_total_flops() - flops_before
+    kept = {storage_key(t) for t in _tensors(out)} | {storage_key(t) for t in saved_log}
+    fwd_workspace = max(0, counter.alloc.peak_bytes - counter.alloc.alive_bytes(kept))
 
     out_tensors = _tensors(out)
     outputs: list[int] = []
@@ -232,10 +291,11 @@ def _record_node(
 
     in_tensors = _tensors((args, kwargs))
     bytes_moved = sum(tensor_bytes(t) for t in in_tensors) + sum(tensor_bytes(t) for t in out_tensors)
-    bwd_flops, aliases = 0, False
+    bwd_flops, aliases, bwd_workspace = 0, False, 0
     if requires_grad and (grad_inputs or param_grads):
-        wrt = [t for n in dict.fromkeys(input_nodes) for t in _tensors(env[n]) if t.requires_grad]
-        bwd_flops, aliases = _local_backward(grad_outputs, wrt, param_tensors, counter)
+        bwd_flops, aliases, bwd_workspace = _local_backward(
+            recorder, fx_node, args, kwargs, param_tensors, counter, saved_log
+        )
     node = Node(
         index=index,
         name=fx_node.name,
@@ -251,6 +311,8 @@ def _record_node(
         output_bytes=sum(tensor_bytes(t) for t in grad_outputs),
         fwd_flops=int(fwd_flops),
         bwd_flops=int(bwd_flops),
+        fwd_workspace_bytes=int(fwd_workspace),
+        bwd_workspace_bytes=int(bwd_workspace),
         bytes_moved=int(bytes_moved),
         fwd_cost=recorder.roofline.seconds(fwd_flops, bytes_moved),
         bwd_cost=recorder.roofline.seconds(bwd_flops, 2 * bytes_moved) if requires_grad else 0.0,
@@ -275,26 +337,55 @@ def _param_inputs(recorder: _Recorder, fx_node: torch.fx.Node, args: tuple, kwar
 
 
 def _local_backward(
-    grad_outputs: list[torch.Tensor],
-    wrt: list[torch.Tensor],
+    recorder: _Recorder,
+    fx_node: torch.fx.Node,
+    args: tuple,
+    kwargs: dict,
     params: list[torch.Tensor],
-    counter: FlopCounterMode,
-) -> tuple[int, bool]:
-    """Backward FLOPs of this op alone, and whether the input gradients it produces are views of
-    the gradient it receives (view ops)."""
-    targets = list({id(t): t for t in wrt + params}.values())
-    seeds = [torch.ones_like(t) for t in grad_outputs]
-    before = counter.get_total_flops()
+    counter: _Meters,
+    saved_log: list[torch.Tensor],
+) -> tuple[int, bool, int]:
+    """Backward FLOPs of this op alone, whether the input gradients it produces are views of
+    the gradient it receives (view ops, ``cat``), and its backward's peak net allocation beyond
+    the gradients it returns: temporaries, less hidden saved tensors freed on the way (so it
+    may be negative).
+
+    The op runs again on detached copies of its activation inputs, so the gradient stops at
+    them instead of flowing back through the rest of the graph.
+    """
+    gm = recorder.gm
+    leaves: dict[int, torch.Tensor] = {}
+
+    def detach(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.requires_grad and not any(value is p for p in params):
+            leaf = leaves.get(id(value))
+            if leaf is None:
+                leaf = leaves[id(value)] = value.detach().requires_grad_(True)
+            return leaf
+        return value
+
     try:
-        grads = torch.autograd.grad(grad_outputs, targets, seeds, retain_graph=True, allow_unused=True)
-    except RuntimeError as exc:
-        log.debug("local backward failed (%s); assuming no aliasing", exc)
-        return 0, False
-    flops = counter.get_total_flops() - before
+        local_args, local_kwargs = pytree.tree_map(detach, (args, kwargs))
+        first_saved = len(saved_log)
+        local_out = [t for t in _tensors(_run(gm, fx_node, local_args, local_kwargs)) if t.requires_grad]
+        hidden = [t for t in saved_log[first_saved:] if storage_key(t) not in recorder.storage_of]
+        del saved_log[first_saved:]
+        targets = list(leaves.values()) + params
+        seeds = [torch.ones_like(t) for t in local_out]
+        before = counter.flops.get_total_flops()
+        counter.alloc.start({storage_key(t) for t in _tensors((local_out, seeds, targets))}, watch=hidden)
+        del hidden
+        grads = torch.autograd.grad(local_out, targets, seeds, allow_unused=True)
+    except RuntimeError as exc:  # e.g. in-place ops on a fresh leaf; fall back to "no aliasing"
+        log.debug("local backward of %s failed (%s)", fx_node.name, exc)
+        return 0, False, 0
+    flops = counter.flops.get_total_flops() - before
+    returned = {storage_key(g) for g in grads if g is not None}
+    workspace = counter.alloc.peak_bytes - counter.alloc.alive_bytes(returned)
     seed_keys = {storage_key(s) for s in seeds}
-    activation_grads = [g for g, t in zip(grads, targets) if g is not None and not any(t is p for p in params)]
+    activation_grads = [g for g in grads[: len(leaves)] if g is not None]
     aliases = bool(activation_grads) and all(storage_key(g) in seed_keys for g in activation_grads)
-    return int(flops), aliases
+    return int(flops), aliases, int(workspace)
 
 
 def _record_outputs(recorder: _Recorder, fx_node: torch.fx.Node, env: dict, loss_leaves_fn: Any) -> None:

@@ -1,0 +1,55 @@
+"""One-call entry points: checkpoint a model under a budget, or apply a saved plan to it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ckptplan.errors import FingerprintMismatchError
+from ckptplan.plan import Plan
+from ckptplan.planner.emit import CheckpointedModule, emit
+from ckptplan.profiler import profile
+from ckptplan.profiler.trace import TraceMode
+from ckptplan.solvers import solve
+
+
+def checkpoint(
+    model: nn.Module,
+    args: Any,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    budget: str | int | float,
+    solver: str = "auto",
+    trace: TraceMode = "export",
+    optimizer: str | None = None,
+    time_limit: float | None = None,
+) -> CheckpointedModule:
+    """Profile ``model``, solve for ``budget`` and return the rewritten module (``plan`` attached
+    as ``module.ckptplan_plan``)."""
+    graph = profile(model, args, kwargs, trace=trace, optimizer=optimizer)
+    plan = solve(graph, budget, solver=solver, time_limit=time_limit)
+    module = emit(graph, plan)
+    module.__dict__["ckptplan_plan"] = plan
+    return module
+
+
+def apply(
+    model: nn.Module,
+    args: Any,
+    plan: Plan,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    trace: TraceMode | None = None,
+    optimizer: str | None = None,
+) -> CheckpointedModule:
+    """Re-trace ``model`` and emit ``plan``; refuses a plan made for another model or shapes."""
+    graph = profile(model, args, kwargs, trace=trace or "export", optimizer=optimizer)
+    if graph.fingerprint != plan.model.fingerprint:
+        raise FingerprintMismatchError(
+            f"Plan was made for {plan.model.name} with fingerprint {plan.model.fingerprint}, but this model "
+            f"and inputs give {graph.fingerprint}; solve again for this model and input shapes."
+        )
+    module = emit(graph, plan)
+    module.__dict__["ckptplan_plan"] = plan
+    return module

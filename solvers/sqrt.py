@@ -1,0 +1,142 @@
+"""Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost", made budget-aware.
+
+Chen's Algorithm 3 walks the execution order, accumulating the bytes each op saves, and closes
+a checkpoint segment at the next cheap cut once the running total passes a threshold ``B``;
+with ``B`` ≈ √(total) that gives O(√N) memory for one extra forward. Here the threshold and the
+set of cuts allowed are searched, each candidate plan is scored by the simulator, and the
+cheapest plan whose simulated peak fits the budget wins.
+
+A *cut* k sits between node k-1 and node k; its *crossing bytes* are the bytes of activation
+storages produced before k and still read at or after k. Cheap cuts (few crossing bytes) are
+where a segment boundary stores little (Chen's "articulation points" on chains).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from ckptplan.build import make_plan
+from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.graph import ComputeGraph
+from ckptplan.plan import BudgetInfo, Plan, Region, SolverInfo
+from ckptplan.simulation import Report, simulate
+from ckptplan.solvers.registry import register
+from ckptplan.units import format_bytes
+
+# How many thresholds B to try, spread geometrically between the largest single op's saved
+# bytes and the whole graph's; and the quantiles of crossing bytes that define "cheap" cuts.
+_THRESHOLD_COUNT = 24
+_CUT_QUANTILES = (0.0, 0.25, 0.5)
+
+
+def crossing_bytes(graph: ComputeGraph) -> list[int]:
+    """``crossing[k]`` for k in 0..n: activation bytes live across cut k in forward."""
+    n = len(graph.nodes)
+    delta = [0] * (n + 2)
+    for storage in graph.storages:
+        if storage.is_static or storage.kind != "activation":
+            continue
+        readers = [u for j in range(n) if storage.index in graph.nodes[j].outputs for u in graph.users[j]]
+        if not readers:
+            continue
+        # live across cuts producer+1 .. last reader
+        delta[storage.producer + 1] += storage.nbytes
+        delta[max(readers) + 1] -= storage.nbytes
+    crossing, running = [], 0
+    for k in range(n + 1):
+        running += delta[k]
+        crossing.append(running)
+    return crossing
+
+
+def segment(graph: ComputeGraph, threshold_bytes: float, cuts: set[int]) -> list[tuple[int, int]]:
+    """Chen's greedy: close a segment at the first allowed cut after ``threshold_bytes`` of
+    saved activations have accumulated."""
+    n = len(graph.nodes)
+    segments, start, acc = [], 0, 0
+    for i in range(n):
+        acc += graph.saved_bytes(i)
+        if acc > threshold_bytes and (i + 1) in cuts and i + 1 < n:
+            segments.append((start, i + 1))
+            start, acc = i + 1, 0
+    segments.append((start, n))
+    return segments
+
+
+@register("sqrt")
+def solve_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None) -> Plan:
+    """Cheapest plan found by Chen's segmenting over the searched thresholds and cut sets."""
+    started = time.perf_counter()
+    n = len(graph.nodes)
+    best: tuple[float, int, tuple[Region, ...], Report] | None = None
+    least_peak = None
+    for regions in _candidates(graph):
+        report = simulate(graph, regions)
+        least_peak = report.peak_bytes if least_peak is None else min(least_peak, report.peak_bytes)
+        if report.peak_bytes > budget_bytes:
+            continue
+        key = (report.recompute_seconds, report.peak_bytes)
+        if best is None or key < best[:2]:
+            best = (report.recompute_seconds, report.peak_bytes, regions, report)
+        if time_limit is not None and time.perf_counter() - started > time_limit:
+            break
+    if best is None:
+        raise InfeasibleBudgetError(
+            f"Budget {format_bytes(budget_bytes)} is below the least peak the sqrt solver reaches "
+            f"({format_bytes(least_peak or 0)}); raise the budget or try another solver.",
+            budget_bytes=budget_bytes,
+            min_peak_bytes=least_peak or 0,
+        )
+    _, _, regions, report = best
+    segments = len(regions)
+    return make_plan(
+        graph,
+        regions,
+        budget=BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes),
+        solver=SolverInfo(
+            name="sqrt",
+            status="feasible",
+            seconds=time.perf_counter() - started,
+            note=f"{segments} checkpoint segment(s) over {n} nodes (Chen et al. 2016 greedy, budget-searched)",
+        ),
+        report=report,
+    )
+
+
+def _candidates(graph: ComputeGraph) -> list[tuple[Region, ...]]:
+    """Distinct region sets to score: no checkpointing, then every (threshold, cut set) pair,
+    with and without a region on the last segment."""
+    n = len(graph.nodes)
+    seen: set[tuple[Region, ...]] = set()
+    ordered: list[tuple[Region, ...]] = []
+
+    def add(regions: tuple[Region, ...]) -> None:
+        if regions not in seen:
+            seen.add(regions)
+            ordered.append(regions)
+
+    add(())
+    if n == 0:
+        return ordered
+    crossing = crossing_bytes(graph)
+    inner = sorted(crossing[1:n])
+    saved = [graph.saved_bytes(i) for i in range(n)]
+    total = sum(saved)
+    if total == 0:
+        return ordered
+    lo = max(1, max(saved))
+    thresholds = [lo * (total / lo) ** (k / (_THRESHOLD_COUNT - 1)) for k in range(_THRESHOLD_COUNT)]
+    thresholds = [0.0, *thresholds[:-1]]
+    for quantile in _CUT_QUANTILES:
+        if not inner:
+            break
+        level = inner[min(len(inner) - 1, math.floor(quantile * (len(inner) - 1)))]
+        cuts = {k for k in range(1, n) if crossing[k] <= level}
+        for threshold in thresholds:
+            segments = [s for s in segment(graph, threshold, cuts) if any(saved[i] for i in range(*s))]
+            regions = tuple(Region(a, b) for a, b in segments)
+            add(regions)
+            if len(regions) > 1:
+                add(regions[:-1])
+    return ordered
