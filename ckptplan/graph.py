@@ -50,6 +50,8 @@ class Node:
     ``saved``: non-parameter storages autograd keeps for this op's backward, outputs and hidden
     tensors included. ``grad_inputs``: input nodes that receive a gradient from this op.
     ``param_grads``: trainable parameter storages this op produces a gradient for.
+    ``inplace``: the op writes into one of its inputs (``add_``, ``relu_``).
+    ``random``: the op draws random numbers (dropout); recomputation replays the RNG stream.
     ``grad_aliases_output``: the gradients it passes to its inputs are views of the gradient
     it receives (view ops), so backward allocates nothing for them.
     ``output_bytes``: bytes of its floating output tensors (the size of their gradient).
@@ -69,6 +71,8 @@ class Node:
     grad_inputs: tuple[int, ...] = ()
     param_grads: tuple[int, ...] = ()
     requires_grad: bool = False
+    inplace: bool = False
+    random: bool = False
     grad_aliases_output: bool = False
     output_bytes: int = 0
     fwd_flops: int = 0
@@ -173,6 +177,21 @@ class ComputeGraph:
             for i in sorted(set(node.inputs)):
                 users[i].append(node.index)
         return tuple(tuple(u) for u in users)
+
+    @cached_property
+    def boundaries(self) -> frozenset[int]:
+        """Positions k in 0..n where a region may start or end: no in-place op at or after k
+        writes into an activation produced before k (recomputing from a region's inputs needs
+        them unmodified, as non-reentrant checkpoint checks)."""
+        blocked: set[int] = set()
+        for node in self.nodes:
+            if not node.inplace:
+                continue
+            for s in node.outputs:
+                storage = self.storages[s]
+                if not storage.is_static and storage.producer < node.index:
+                    blocked.update(range(storage.producer + 1, node.index + 1))
+        return frozenset(k for k in range(len(self.nodes) + 1) if k not in blocked)
 
     @cached_property
     def baseline_peak_bytes(self) -> int:

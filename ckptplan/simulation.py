@@ -154,6 +154,12 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
     def make(region: Region, parent: _RegionInfo | None) -> _RegionInfo:
         if region.end > n:
             raise PlanFormatError(f"Region [{region.start}, {region.end}) runs past the graph's {n} nodes.")
+        for edge in (region.start, region.end):
+            if edge not in graph.boundaries:
+                raise PlanFormatError(
+                    f"Region [{region.start}, {region.end}) cannot start or end at {edge}: an in-place op "
+                    "there modifies a tensor made before it, which recomputation would need unmodified."
+                )
         counter[0] += 1
         info = _RegionInfo(uid=counter[0], region=region, parent=parent, children=[], keep=frozenset())
         previous_end = region.start
@@ -173,6 +179,17 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
                 raise PlanFormatError(
                     f"Node {name!r} is kept by region [{region.start}, {region.end}) but is not directly in it."
                 )
+            if graph.nodes[index].random:
+                raise PlanFormatError(
+                    f"Node {name!r} cannot be kept: it draws random numbers, and recomputation must "
+                    "replay the random stream op by op."
+                )
+            writer = _later_inplace_writer(graph, index)
+            if writer is not None:
+                raise PlanFormatError(
+                    f"Node {name!r} cannot be kept: {writer!r} later modifies its output in place, "
+                    "so the saved value would be stale."
+                )
             keep.add(index)
         info.keep = frozenset(keep)
         inputs: set[int] = set()
@@ -191,6 +208,15 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
         previous_end = region.end
         tops.append(make(region, None))
     return tops
+
+
+def _later_inplace_writer(graph: ComputeGraph, index: int) -> str | None:
+    """Name of a later in-place node writing into node ``index``'s output storage, if any."""
+    outputs = set(graph.nodes[index].outputs)
+    for node in graph.nodes[index + 1:]:
+        if node.inplace and outputs & set(node.outputs):
+            return node.name
+    return None
 
 
 class _Simulator:

@@ -94,3 +94,8 @@ def format_flops(flops: float) -> str:
             return f"{value:.0f} {unit}" if unit == "FLOP" else f"{value:.2f} {unit}"
         value /= 1000.0
     raise AssertionError("unreachable")
+
+
+def describe_bytes(n_bytes: int) -> str:
+    """``'1.2 MiB (1,258,291 bytes)'``: readable, and exact where rounding would hide a difference."""
+    return f"{format_bytes(n_bytes)} ({int(n_bytes):,} bytes)"

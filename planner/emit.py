@@ -59,9 +59,14 @@ def _batch_norm_once(input, weight, bias, running_mean, running_var, training, m
     """``aten.batch_norm`` that updates running statistics in forward only, not when recomputed.
 
     In training mode the output uses batch statistics, so updating throwaway copies of the
-    running buffers during recomputation leaves the result (and what autograd saves) unchanged."""
-    if training and _recomputing() and running_mean is not None:
-        running_mean, running_var = running_mean.clone(), running_var.clone()
+    running buffers during recomputation leaves the result (and what autograd saves) unchanged.
+    The copies are made in forward too: selective checkpointing replays recomputation against
+    the ops it recorded in forward, so recomputation may not run an op forward did not.
+    """
+    if training and running_mean is not None:
+        scratch_mean, scratch_var = running_mean.clone(), running_var.clone()
+        if _recomputing():
+            running_mean, running_var = scratch_mean, scratch_var
     return torch.ops.aten.batch_norm.default(
         input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
     )
@@ -75,12 +80,16 @@ def _mutate_once(op, target, *args, **kwargs):
 
 
 def _batch_norm_module_once(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    """A BatchNorm module call (symbolic traces) that does not update its buffers when recomputed."""
-    if not (module.training and _recomputing()) or module.running_mean is None:
+    """A BatchNorm module call (symbolic traces) that does not update its buffers when recomputed
+    (see ``_batch_norm_once``)."""
+    if not module.training or module.running_mean is None:
         return module(input)
+    scratch_mean, scratch_var = module.running_mean.clone(), module.running_var.clone()
+    if not _recomputing():
+        return module(input)
+    momentum = module.momentum if module.momentum is not None else 0.0
     return nn.functional.batch_norm(
-        input, module.running_mean.clone(), module.running_var.clone(), module.weight, module.bias,
-        True, module.momentum if module.momentum is not None else 0.0, module.eps,
+        input, scratch_mean, scratch_var, module.weight, module.bias, True, momentum, module.eps
     )
 
 
@@ -105,7 +114,9 @@ class CheckpointRegion(nn.Module):
     def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         if not self.keep:
             return contextlib.nullcontext(), _recompute_scope()
-        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(self._policy)
+        # A kept node's own ops may write into tensors they just made (dropout fills its mask
+        # in place); keeps whose outputs later nodes modify are rejected when the plan is built.
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(self._policy, allow_cache_entry_mutation=True)
         return forward_ctx, _chain(recompute_ctx, _recompute_scope())
 
     def forward(self, *args: Any) -> Any:

@@ -57,6 +57,7 @@ class _AllocationMeter(TorchDispatchMode):
         self._known: set[int] = set()
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.saw_random = False
 
     def start(self, existing: set[int], watch: list[torch.Tensor] = ()) -> None:
         """Measure from zero. ``existing`` storages are ignored; ``watch`` storages already exist
@@ -64,6 +65,7 @@ class _AllocationMeter(TorchDispatchMode):
         self._live.clear()
         self._known = existing
         self.current_bytes = self.peak_bytes = 0
+        self.saw_random = False
         for t in watch:
             key = storage_key(t)
             if key not in existing and key not in self._live:
@@ -82,6 +84,7 @@ class _AllocationMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.saw_random = self.saw_random or torch.Tag.nondeterministic_seeded in func.tags
         self._prune()
         for t in _tensors(out):
             key = storage_key(t)
@@ -265,6 +268,7 @@ def _record_node(
     fwd_flops = counter.flops.get_total_flops() - flops_before
     kept = {storage_key(t) for t in _tensors(out)} | {storage_key(t) for t in saved_log}
     fwd_workspace = max(0, counter.alloc.peak_bytes - counter.alloc.alive_bytes(kept))
+    random = counter.alloc.saw_random
 
     out_tensors = _tensors(out)
     outputs: list[int] = []
@@ -307,6 +311,8 @@ def _record_node(
         grad_inputs=grad_inputs,
         param_grads=param_grads,
         requires_grad=requires_grad,
+        inplace=_is_inplace(fx_node),
+        random=random,
         grad_aliases_output=aliases,
         output_bytes=sum(tensor_bytes(t) for t in grad_outputs),
         fwd_flops=int(fwd_flops),
@@ -321,6 +327,15 @@ def _record_node(
     recorder.node_index[fx_node] = index
     recorder.keep_alive.extend(out_tensors)
     return out
+
+
+def _is_inplace(fx_node: torch.fx.Node) -> bool:
+    target = fx_node.target
+    if fx_node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+    if fx_node.op == "call_method":
+        return str(target).endswith("_") and not str(target).startswith("_")
+    return False
 
 
 def _param_inputs(recorder: _Recorder, fx_node: torch.fx.Node, args: tuple, kwargs: dict) -> list[torch.Tensor]:

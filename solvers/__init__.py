@@ -13,7 +13,7 @@ from ckptplan.plan import BudgetInfo, Plan
 from ckptplan.simulation import simulate
 from ckptplan.solvers import sqrt as _sqrt  # noqa: F401  (registers "sqrt")
 from ckptplan.solvers.registry import available_solvers, get_solver, register
-from ckptplan.units import parse_budget
+from ckptplan.units import describe_bytes, parse_budget
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
             best = plan
     if best is None:
         raise InfeasibleBudgetError(
-            f"No solver fits the budget of {budget_bytes} bytes; the least peak reached is {least_peak} bytes.",
+            f"No solver fits the budget of {describe_bytes(budget_bytes)}; the least peak any reaches is "
+            f"{describe_bytes(least_peak or 0)}. Raise the budget.",
             budget_bytes=budget_bytes,
             min_peak_bytes=least_peak or 0,
         )

@@ -22,7 +22,7 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.plan import BudgetInfo, Plan, Region, SolverInfo
 from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.registry import register
-from ckptplan.units import format_bytes
+from ckptplan.units import describe_bytes
 
 # How many thresholds B to try, spread geometrically between the largest single op's saved
 # bytes and the whole graph's; and the quantiles of crossing bytes that define "cheap" cuts.
@@ -83,8 +83,8 @@ def solve_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
             break
     if best is None:
         raise InfeasibleBudgetError(
-            f"Budget {format_bytes(budget_bytes)} is below the least peak the sqrt solver reaches "
-            f"({format_bytes(least_peak or 0)}); raise the budget or try another solver.",
+            f"Budget {describe_bytes(budget_bytes)} is below the least peak the sqrt solver reaches, "
+            f"{describe_bytes(least_peak or 0)}; raise the budget or try another solver.",
             budget_bytes=budget_bytes,
             min_peak_bytes=least_peak or 0,
         )
@@ -132,7 +132,7 @@ def _candidates(graph: ComputeGraph) -> list[tuple[Region, ...]]:
         if not inner:
             break
         level = inner[min(len(inner) - 1, math.floor(quantile * (len(inner) - 1)))]
-        cuts = {k for k in range(1, n) if crossing[k] <= level}
+        cuts = {k for k in range(1, n) if crossing[k] <= level and k in graph.boundaries}
         for threshold in thresholds:
             segments = [s for s in segment(graph, threshold, cuts) if any(saved[i] for i in range(*s))]
             regions = tuple(Region(a, b) for a, b in segments)

@@ -1,0 +1,200 @@
+"""The ``ckptplan`` command: solve, profile, show, schema.
+
+Each command parses, calls one library function, and renders: tables and progress go to stderr
+through rich, ``--json`` output goes to stdout alone, so ``ckptplan solve ... --json > plan.json``
+works. Library errors become exit codes in ``ckptplan.cli.exits`` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.logging import RichHandler
+
+import ckptplan
+from ckptplan.errors import CkptPlanError
+from ckptplan.plan import Plan, load_plan, plan_json_schema
+from ckptplan.solvers import available_solvers
+from ckptplan.solvers.registry import get_solver
+from ckptplan.units import parse_budget
+
+from ckptplan.cli.exits import exits_on_error
+from ckptplan.cli.loader import load_model
+from ckptplan.cli.render import render_plan, render_profile, stderr_console
+from ckptplan.cli.summary import summarize
+
+log = logging.getLogger(__name__)
+
+# Only syntax is checked before profiling; a fraction is resolved later against the real
+# baseline. The probe is large so that any fraction a real model could accept passes here.
+_BUDGET_SYNTAX_PROBE_BYTES = 2**62
+
+app = typer.Typer(
+    name="ckptplan",
+    help="Plan activation checkpointing for a PyTorch training step within a memory budget.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class TraceMode(str, Enum):
+    export = "export"
+    symbolic = "symbolic"
+
+
+class Optimizer(str, Enum):
+    adamw = "adamw"
+    adam = "adam"
+    sgd = "sgd"
+
+
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODEL.py[:FUNC]",
+        help="Python file defining build() -> (model, args[, kwargs]), or FUNC, or 'model' and 'example_inputs'.",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout only.")]
+TraceOpt = Annotated[TraceMode, typer.Option(help="How to capture the graph: torch.export or torch.fx.symbolic_trace.")]
+OptimizerOpt = Annotated[
+    Optional[Optimizer],  # noqa: UP045  (typer reads this annotation at runtime; keep 3.9-style Optional)
+    typer.Option(case_sensitive=False, help="Count this optimizer's state in resident memory.", show_default=False),
+]
+
+
+def _print_version(value: bool) -> None:
+    # An eager option callback: it must act before click insists on a command.
+    if value:
+        typer.echo(ckptplan.__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def configure(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress to stderr.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", help="Print the version and exit.", is_eager=True, callback=_print_version)
+    ] = False,
+) -> None:
+    """Plan activation checkpointing for a PyTorch training step within a memory budget."""
+    _configure_logging(verbose)
+
+
+@app.command()
+@exits_on_error
+def solve(
+    model: ModelArg,
+    budget: Annotated[
+        str,
+        typer.Option(help="Peak memory allowed: '80GB', '80GiB', bytes, '60%' or a fraction like 0.6.", show_default=False),
+    ],
+    solver: Annotated[str, typer.Option(help=f"Solver name: {', '.join(available_solvers())}.")] = "auto",
+    out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON to this file.", show_default=False)] = None,  # noqa: UP045
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
+    json_output: JsonOpt = False,
+    trace: TraceOpt = TraceMode.export,
+    optimizer: OptimizerOpt = None,
+    time_limit: Annotated[
+        Optional[float],  # noqa: UP045
+        typer.Option(min=0.0, metavar="SECONDS", help="Stop the solver after this long.", show_default=False),
+    ] = None,
+) -> None:
+    """Find which activations to keep and which to recompute so one step fits BUDGET."""
+    # Cheap checks first: a typo should not cost a minutes-long profile.
+    get_solver(solver)
+    parse_budget(budget, _BUDGET_SYNTAX_PROBE_BYTES)
+    if out is not None and out.exists() and not force:
+        raise CkptPlanError(f"{str(out)!r} already exists; pass --force to overwrite it.")
+    with load_model(model) as loaded:
+        log.info("profiling %s", loaded.source)
+        graph = ckptplan.profile(
+            loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=_optimizer_name(optimizer)
+        )
+    log.info("solving %s (%d nodes) with %s", graph.name, len(graph.nodes), solver)
+    plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit)
+    if out is not None:
+        from ckptplan.planner import save_plan  # imports torch; only solve needs it
+
+        save_plan(plan, out, overwrite=force)
+    if json_output:
+        _write_stdout(plan.to_json())
+        return
+    console = stderr_console()
+    render_plan(console, plan)
+    if out is not None:
+        console.print(f"Wrote the plan to {out}", markup=False, soft_wrap=True)
+
+
+@app.command()
+@exits_on_error
+def profile(
+    model: ModelArg,
+    json_output: JsonOpt = False,
+    trace: TraceOpt = TraceMode.export,
+    optimizer: OptimizerOpt = None,
+) -> None:
+    """Show where one training step's memory and FLOPs go, per module and per op."""
+    with load_model(model) as loaded:
+        log.info("profiling %s", loaded.source)
+        graph = ckptplan.profile(
+            loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=_optimizer_name(optimizer)
+        )
+    summary = summarize(graph)
+    if json_output:
+        _write_stdout(json.dumps(summary.to_dict(), indent=2) + "\n")
+        return
+    render_profile(stderr_console(), summary)
+
+
+@app.command()
+@exits_on_error
+def show(
+    plan_file: Annotated[Path, typer.Argument(metavar="PLAN.json", help="A plan written by 'ckptplan solve --out'.")],
+    json_output: Annotated[bool, typer.Option("--json", help="Print the validated plan JSON on stdout.")] = False,
+) -> None:
+    """Summarise a saved plan."""
+    plan: Plan = load_plan(plan_file)
+    if json_output:
+        _write_stdout(plan.to_json())
+        return
+    render_plan(stderr_console(), plan)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of plan files."""
+    _write_stdout(json.dumps(plan_json_schema(), indent=2) + "\n")
+
+
+def _configure_logging(verbose: bool) -> None:
+    """Route ckptplan's log records to the stderr console. The handler looks ``sys.stderr`` up
+    when it writes, so repeated in-process runs (tests) never write to a closed stream."""
+    logger = logging.getLogger("ckptplan")
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    if not any(isinstance(handler, RichHandler) for handler in logger.handlers):
+        logger.addHandler(RichHandler(console=stderr_console(), show_time=False, show_path=False))
+
+
+def _optimizer_name(optimizer: Optimizer | None) -> str | None:
+    return None if optimizer is None else optimizer.value
+
+
+def _write_stdout(text: str) -> None:
+    typer.echo(text, nl=False)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="ckptplan")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Human views of plans and profiles, drawn with rich on the stderr console.
+
+Machine output (``--json``) never passes through here: it goes to stdout unstyled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckptplan.plan import Plan
+from ckptplan.units import format_bytes, format_flops
+
+from ckptplan.cli.summary import GroupRow, ProfileSummary
+
+
+def stderr_console() -> Console:
+    """A console bound to whatever ``sys.stderr`` is when it writes (so test runners capture it)."""
+    return Console(stderr=True, highlight=False)
+
+
+def render_error(console: Console, message: str) -> None:
+    """``Error: <message>`` on one line: no wrapping, no markup, so paths and brackets survive."""
+    line = Text("Error: ", style="bold red")
+    line.append(" ".join(message.split()))
+    console.print(line, soft_wrap=True)
+
+
+def render_plan(console: Console, plan: Plan) -> None:
+    """Model, budget, solver, prediction, then one row per top-level region."""
+    prediction = plan.prediction
+    solver = plan.solver
+    gap = "" if solver.gap is None else f", gap {solver.gap:.2%}"
+    rows = [
+        ("model", f"{plan.model.name} ({plan.model.node_count} nodes, fingerprint {plan.model.fingerprint})"),
+        ("budget", f"{plan.budget.requested} = {format_bytes(plan.budget.bytes)} ({plan.budget.bytes} bytes)"),
+        ("solver", f"{solver.name}: {solver.status} in {solver.seconds:.2f} s{gap}"),
+    ]
+    if solver.note:
+        rows.append(("", solver.note))
+    rows.append(("peak", _peak_line(prediction.peak_bytes, prediction.baseline_peak_bytes)))
+    rows.append(("recompute", f"{format_flops(prediction.recompute_flops)}, overhead {prediction.overhead:.1%} of a step"))
+    console.print(_facts(rows))
+    console.print(_regions_table(plan))
+
+
+def _facts(rows: Sequence[tuple[str, str]]) -> Table:
+    """Label/value lines. Values become ``Text`` so names with brackets are not read as markup."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for label, value in rows:
+        grid.add_row(label, Text(value))
+    return grid
+
+
+def _peak_line(peak_bytes: int, baseline_peak_bytes: int) -> str:
+    line = f"{format_bytes(peak_bytes)} predicted vs {format_bytes(baseline_peak_bytes)} without checkpointing"
+    if baseline_peak_bytes > 0:
+        line += f" ({peak_bytes / baseline_peak_bytes:.0%})"
+    return line
+
+
+def _regions_table(plan: Plan) -> Table | Text:
+    if not plan.regions:
+        return Text("No checkpoint regions: every activation is stored.")
+    names = [node.name for node in plan.nodes]
+    table = Table(title="checkpoint regions", title_justify="left")
+    for header in ("start", "end", "first node", "last node", "kept", "children"):
+        if header in ("first node", "last node"):
+            table.add_column(header, overflow="fold")
+        else:
+            table.add_column(header, justify="right")
+    for region in plan.regions:
+        table.add_row(
+            str(region.start),
+            str(region.end),
+            Text(_name(names, region.start)),
+            Text(_name(names, region.end - 1)),
+            str(len(region.keep)),
+            str(len(region.children)),
+        )
+    return table
+
+
+def _name(names: Sequence[str], index: int) -> str:
+    # Plans may omit per-node records; the indices alone are still meaningful.
+    return names[index] if index < len(names) else "-"
+
+
+def render_profile(console: Console, summary: ProfileSummary) -> None:
+    """Totals, then the per-module and per-op tables."""
+    static = summary.static
+    static_line = (
+        f"params {format_bytes(static['param_bytes'])}, buffers {format_bytes(static['buffer_bytes'])}, "
+        f"inputs {format_bytes(static['input_bytes'])}, grads {format_bytes(static['grad_bytes'])}, "
+        f"optimizer {format_bytes(static['optimizer_bytes'])} ({static['optimizer'] or 'none'})"
+    )
+    console.print(
+        _facts(
+            [
+                ("model", f"{summary.model} ({summary.node_count} nodes, fingerprint {summary.fingerprint})"),
+                ("static", static_line),
+                ("activations", format_bytes(summary.activation_bytes)),
+                ("baseline peak", format_bytes(summary.baseline_peak_bytes)),
+            ]
+        )
+    )
+    console.print(_group_table("by module", "module", summary.by_module))
+    console.print(_group_table("by op", "op", summary.by_op))
+
+
+def _group_table(title: str, key_header: str, rows: Sequence[GroupRow]) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column(key_header, overflow="fold")  # op and module names have no spaces to wrap at
+    for header in ("nodes", "output", "saved", "fwd", "bwd"):
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(
+            Text(row.key or "(top level)"),
+            str(row.nodes),
+            format_bytes(row.output_bytes),
+            format_bytes(row.saved_bytes),
+            format_flops(row.fwd_flops),
+            format_flops(row.bwd_flops),
+        )
+    return table

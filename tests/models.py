@@ -1,0 +1,88 @@
+"""Small torch models for tests: each exercises one thing the emitter must preserve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def mlp(depth: int = 6, width: int = 64) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+class DropoutEverywhere(nn.Module):
+    """Dropout after every op: recomputation must reproduce every mask."""
+
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = self.drop(F.gelu(self.drop(layer(x))))
+        return x
+
+
+class ConvBN(nn.Module):
+    """BatchNorm in every block: running statistics must update exactly once per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(
+            *[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()) for _ in range(4)]
+        )
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x).mean(dim=(2, 3)))
+
+
+class InplaceAndViews(nn.Module):
+    """In-place activations, views, a frozen layer and a non-persistent buffer."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.frozen = nn.Linear(width, width)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("scale", torch.full((width,), 0.5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.a(x), inplace=True)
+        h = h.view(h.shape[0], -1, 2).transpose(1, 2).reshape(h.shape[0], -1)
+        h = h + self.frozen(h)
+        h = self.b(h) * self.scale
+        return h.t().contiguous().t()
+
+
+@dataclass
+class Output:
+    loss: torch.Tensor
+    hidden: torch.Tensor
+
+
+torch.utils._pytree.register_dataclass(Output)
+
+
+class KwargsAndDataclass(nn.Module):
+    """Tied weights, a keyword argument, and a dataclass output with a loss field."""
+
+    def __init__(self, vocab: int = 50, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.out = nn.Linear(width, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor, *, targets: torch.Tensor, temperature: float = 1.0) -> Output:
+        hidden = torch.tanh(self.mix(self.embed(ids)))
+        logits = self.out(hidden) / temperature
+        return Output(loss=F.cross_entropy(logits.flatten(0, 1), targets.flatten()), hidden=hidden)

@@ -1,0 +1,313 @@
+"""The ``ckptplan`` command through typer's CliRunner: outputs, files, and every error's exit code.
+
+Models are tiny files written to tmp_path; one test runs examples/gpt.py end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+import ckptplan
+from ckptplan.cli.loader import load_model, parse_spec
+from ckptplan.cli.main import app
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+# Activations dominate (batch 256 x width 16), so a 0.9 budget is reachable by checkpointing.
+TINY = """
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(16, 16), nn.ReLU())])
+    return model, torch.randn(256, 16)
+
+def make_small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU()), (torch.randn(8, 16),), {}
+"""
+
+GLOBALS = """
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+example_inputs = {"args": (torch.randn(8, 16),)}
+"""
+
+DATA_DEPENDENT = """
+import torch
+from torch import nn
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.a(x)
+        return self.b(x)
+
+def build():
+    return Branchy(), (torch.randn(8, 16),)
+"""
+
+runner = CliRunner()
+
+
+def invoke(*args: object) -> Result:
+    """Run the CLI in-process. Unexpected exceptions propagate (they are bugs); user errors must
+    never show a traceback."""
+    result = runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    assert "Traceback" not in result.output
+    return result
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def tiny(workdir: Path) -> Path:
+    return write(workdir, "tiny.py", TINY)
+
+
+@pytest.fixture(scope="module")
+def plan_file(workdir: Path, tiny: Path) -> Path:
+    out = workdir / "plan.json"
+    result = invoke("solve", tiny, "--budget", "0.9", "--out", out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+# --- solve -----------------------------------------------------------------------------------
+
+
+def test_solve_json_is_the_only_stdout(tiny: Path) -> None:
+    result = invoke("solve", tiny, "--budget", "0.9", "--solver", "sqrt", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["schema_version"] == "ckptplan.plan/v1"
+    assert plan["budget"]["requested"] == "0.9"
+    assert plan["prediction"]["peak_bytes"] <= plan["budget"]["bytes"]
+    assert plan["prediction"]["peak_bytes"] < plan["prediction"]["baseline_peak_bytes"]
+    assert plan["solver"]["name"] == "sqrt"
+
+
+def test_solve_prints_summary_on_stderr(tiny: Path) -> None:
+    result = invoke("solve", tiny, "--budget", "0.9", "--optimizer", "adamw", "--time-limit", "5")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""
+    for expected in ("Sequential", "8 nodes", "0.9 =", "feasible", "without checkpointing", "overhead", "linear"):
+        assert expected in result.stderr
+
+
+def test_solve_out_writes_a_loadable_plan(plan_file: Path) -> None:
+    plan = ckptplan.load_plan(plan_file)
+    assert plan.regions
+    assert plan.prediction.peak_bytes <= plan.budget.bytes
+
+
+def test_solve_out_refuses_existing_file_without_force(workdir: Path, tiny: Path) -> None:
+    out = write(workdir, "taken.json", "keep me")
+    result = invoke("solve", tiny, "--budget", "0.9", "--out", out)
+    assert result.exit_code == 1
+    assert "--force" in result.stderr
+    assert out.read_text() == "keep me"
+
+
+def test_solve_out_with_force_overwrites(workdir: Path, tiny: Path) -> None:
+    out = write(workdir, "old.json", "stale")
+    result = invoke("solve", tiny, "--budget", "0.9", "--out", out, "--force")
+    assert result.exit_code == 0, result.output
+    assert ckptplan.load_plan(out).schema_version == "ckptplan.plan/v1"
+
+
+def test_solve_gpt_example_end_to_end() -> None:
+    result = invoke("solve", EXAMPLES / "gpt.py", "--budget", "0.6", "--solver", "sqrt", "--json")
+    assert result.exit_code == 0, result.output
+    plan = ckptplan.Plan.from_json(result.stdout)
+    assert plan.model.name == "GPT"
+    assert plan.prediction.peak_bytes <= plan.budget.bytes < plan.prediction.baseline_peak_bytes
+
+
+# --- model files -----------------------------------------------------------------------------
+
+
+def test_named_function_and_module_globals_are_loaded(workdir: Path, tiny: Path) -> None:
+    globals_file = write(workdir, "globals_model.py", GLOBALS)
+    for spec in (f"{tiny}:make_small", globals_file):
+        result = invoke("profile", spec, "--json")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["nodes"] == 2 if spec != globals_file else 4
+
+
+def test_loaded_module_does_not_linger(tiny: Path) -> None:
+    modules_before, path_before = set(sys.modules), list(sys.path)
+    with load_model(str(tiny)) as loaded:
+        assert loaded.args[0].shape == (256, 16)
+    assert set(sys.modules) == modules_before
+    assert sys.path == path_before
+
+
+def test_spec_colon_splits_only_a_trailing_identifier() -> None:
+    assert parse_spec("models/a.py:build_big").func == "build_big"
+    assert parse_spec(r"C:\models\a.py").func is None
+    assert parse_spec("models/a.py").path == Path("models/a.py")
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("raises.py", "x = 1 / 0\n", "raised ZeroDivisionError: division by zero"),
+        ("empty.py", "import torch\n", "defines neither build() nor 'model'"),
+        ("no_inputs.py", "from torch import nn\nmodel = nn.ReLU()\n", "example_inputs"),
+        ("garbage.py", "def build():\n    return 42\n", "must return a tuple (model, args)"),
+        ("not_module.py", "def build():\n    return 'model', ()\n", "torch.nn.Module"),
+        ("build_raises.py", "def build():\n    raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
+    ],
+)
+def test_bad_model_file_is_one_line_error(workdir: Path, name: str, text: str, expected: str) -> None:
+    path = write(workdir, name, text)
+    result = invoke("profile", path)
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: ")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert expected in result.stderr
+
+
+def test_missing_model_file(workdir: Path) -> None:
+    missing = workdir / "nowhere" / "model.py"
+    result = invoke("solve", missing, "--budget", "1GB")
+    assert result.exit_code == 1
+    assert str(missing) in result.stderr
+
+
+def test_model_file_must_be_python(workdir: Path) -> None:
+    result = invoke("profile", write(workdir, "model.txt", ""))
+    assert result.exit_code == 1
+    assert "not a .py file" in result.stderr
+
+
+def test_missing_named_function(tiny: Path) -> None:
+    result = invoke("profile", f"{tiny}:make_huge")
+    assert result.exit_code == 1
+    assert "no function 'make_huge'" in result.stderr
+
+
+def test_untraceable_model_suggests_symbolic(workdir: Path) -> None:
+    result = invoke("profile", write(workdir, "branchy.py", DATA_DEPENDENT))
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: ")
+    assert "symbolic" in result.stderr
+
+
+# --- budgets, solvers, options -----------------------------------------------------------------
+
+
+def test_unparseable_budget_is_a_usage_error(tiny: Path) -> None:
+    result = invoke("solve", tiny, "--budget", "lots")
+    assert result.exit_code == 2
+    assert "'lots'" in result.stderr
+
+
+def test_infeasible_budget_names_least_peak(tiny: Path) -> None:
+    result = invoke("solve", tiny, "--budget", "1B")
+    assert result.exit_code == 3
+    assert "least peak" in result.stderr
+    assert result.stdout == ""
+
+
+def test_unknown_solver_is_a_usage_error(tiny: Path) -> None:
+    result = invoke("solve", tiny, "--budget", "1GB", "--solver", "magic")
+    assert result.exit_code == 2
+    assert "magic" in result.stderr and "sqrt" in result.stderr
+
+
+def test_unknown_trace_mode_is_a_usage_error(tiny: Path) -> None:
+    result = invoke("solve", tiny, "--budget", "1GB", "--trace", "jit")
+    assert result.exit_code == 2
+
+
+# --- show, schema, profile ---------------------------------------------------------------------
+
+
+def test_show_renders_saved_plan(plan_file: Path) -> None:
+    result = invoke("show", plan_file)
+    assert result.exit_code == 0, result.output
+    assert "checkpoint regions" in result.stderr
+    assert "Sequential" in result.stderr
+
+
+def test_show_json_round_trips(plan_file: Path) -> None:
+    result = invoke("show", plan_file, "--json")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == plan_file.read_text()
+    assert ckptplan.Plan.from_json(result.stdout) == ckptplan.load_plan(plan_file)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"schema_version": "someone.else/v3", "regions": []}', "Not a ckptplan plan"),
+    ],
+)
+def test_show_rejects_bad_plan_files(workdir: Path, text: str, expected: str) -> None:
+    result = invoke("show", write(workdir, "bad_plan.json", text))
+    assert result.exit_code == 1
+    assert expected in result.stderr
+
+
+def test_show_missing_plan_file(workdir: Path) -> None:
+    result = invoke("show", workdir / "absent.json")
+    assert result.exit_code == 1
+    assert "absent.json" in result.stderr
+
+
+def test_schema_is_json_with_id() -> None:
+    result = invoke("schema")
+    assert result.exit_code == 0
+    schema = json.loads(result.stdout)
+    assert schema["$id"] == "ckptplan.plan/v1"
+    assert "regions" in schema["properties"]
+
+
+def test_profile_tables(tiny: Path) -> None:
+    result = invoke("profile", tiny)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""
+    for expected in ("by module", "by op", "baseline peak", "aten.linear"):
+        assert expected in result.stderr
+
+
+def test_profile_json(tiny: Path) -> None:
+    result = invoke("profile", tiny, "--json", "--optimizer", "sgd")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert set(report) == {
+        "model", "fingerprint", "nodes", "static", "activation_bytes", "baseline_peak_bytes", "by_module", "by_op",
+    }
+    assert report["nodes"] == 8
+    assert report["static"]["optimizer"] == "sgd"
+    assert report["static"]["optimizer_bytes"] > 0
+    assert [row["module"] for row in report["by_module"]] == [str(i) for i in range(8)]
+    assert sum(row["nodes"] for row in report["by_op"]) == 8
+    saved = [(-row["saved_bytes"], row["op"]) for row in report["by_op"]]
+    assert saved == sorted(saved)
+    assert report["baseline_peak_bytes"] > report["activation_bytes"] > 0
