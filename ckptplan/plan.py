@@ -178,7 +178,10 @@ def load_plan(path: str | Path) -> Plan:
         raise PlanFormatError(f"Plan file {str(path)!r} does not exist.") from None
     except OSError as exc:
         raise PlanFormatError(f"Plan file {str(path)!r} could not be read: {exc.strerror}.") from None
-    return Plan.from_json(text)
+    try:
+        return Plan.from_json(text)
+    except PlanFormatError as exc:
+        raise PlanFormatError(f"{str(path)!r}: {exc}") from None
 
 
 def plan_json_schema() -> dict[str, Any]:

@@ -370,9 +370,16 @@ class _Simulator:
         elif kept:
             cached = set(node.outputs) | {st.index for st in g.produced_by(i)}
             keys = [env.get(s, (s, 0)) for s in sorted(cached) if not g.storages[s].is_static]
-            for key in keys:
-                mem.hold(key, g.storages[key[0]].nbytes, ("cache", owner.uid, i))
-            self.cache_keys[owner.uid][i] = keys
+            if root is None:
+                # The cache the region's backward will use: made in the original forward.
+                for key in keys:
+                    mem.hold(key, g.storages[key[0]].nbytes, ("cache", owner.uid, i))
+                self.cache_keys[owner.uid][i] = keys
+            else:
+                # Re-running a nested region inside a recompute makes a second frame whose cache
+                # nobody reads; it dies with the recompute.
+                for key in keys:
+                    mem.hold(key, g.storages[key[0]].nbytes, ("fwd", tag))
 
     # ----------------------------------------------------------------- recompute
     def _recompute(self, info: _RegionInfo) -> None:

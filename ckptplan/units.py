@@ -61,6 +61,12 @@ def parse_budget(budget: str | int | float, baseline_peak_bytes: int) -> int:
     return _positive(math.floor(float(number) * _UNITS[unit]), budget)
 
 
+def check_budget(budget: str | int | float) -> None:
+    """Raise ``BudgetError`` if ``budget`` cannot be read, without needing the baseline peak
+    (so a command can reject a typo before profiling)."""
+    parse_budget(budget, baseline_peak_bytes=2**62)  # any fraction of a large baseline is positive
+
+
 def _positive(n_bytes: int, original: object) -> int:
     if n_bytes <= 0:
         raise BudgetError(f"Budget {original!r} must be positive.")

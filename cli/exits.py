@@ -12,9 +12,8 @@ from typing import ParamSpec, TypeVar
 
 import typer
 
-from ckptplan.errors import BudgetError, CkptPlanError, InfeasibleBudgetError, UnknownSolverError
-
 from ckptplan.cli.render import render_error, stderr_console
+from ckptplan.errors import BudgetError, CkptPlanError, InfeasibleBudgetError, UnknownSolverError
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2

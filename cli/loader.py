@@ -21,7 +21,9 @@ from typing import Any
 from ckptplan.errors import ModelFileError
 
 _DEFAULT_FUNC = "build"
-_CONTRACT = "define build() returning (model, args) or (model, args, kwargs), or module-level 'model' and 'example_inputs'"
+_CONTRACT = (
+    "define build() returning (model, args) or (model, args, kwargs), or module-level 'model' and 'example_inputs'"
+)
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A fresh suffix per load: two model files with one stem (or one file loaded twice) never
 # share a sys.modules entry.
@@ -71,7 +73,9 @@ def _check_file(spec: ModelSpec) -> None:
     if not path.exists():
         raise ModelFileError(f"Model file {str(path)!r} does not exist.")
     if path.is_dir() or path.suffix != ".py":
-        raise ModelFileError(f"Model file {str(path)!r} is not a .py file; give a Python file that {_CONTRACT}.")
+        raise ModelFileError(
+            f"Model file {str(path)!r} is not a .py file; give a Python file that defines build() or 'model'."
+        )
 
 
 @contextlib.contextmanager
@@ -103,9 +107,13 @@ def _build(spec: ModelSpec, module: ModuleType) -> LoadedModel:
         return _from_globals(spec, module)
     func = getattr(module, func_name, None)
     if func is None:
-        raise ModelFileError(f"Model file {str(spec.path)!r} has no function {func_name!r}; define it or drop ':{func_name}'.")
+        raise ModelFileError(
+            f"Model file {str(spec.path)!r} has no function {func_name!r}; define it or drop ':{func_name}'."
+        )
     if not callable(func):
-        raise ModelFileError(f"{func_name!r} in {str(spec.path)!r} is not a function; it must return (model, args[, kwargs]).")
+        raise ModelFileError(
+            f"{func_name!r} in {str(spec.path)!r} is not a function; it must return (model, args[, kwargs])."
+        )
     where = f"{spec.path}:{func_name}()"
     try:
         built = func()

@@ -11,28 +11,23 @@ import json
 import logging
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.logging import RichHandler
 
 import ckptplan
-from ckptplan.errors import CkptPlanError
-from ckptplan.plan import Plan, load_plan, plan_json_schema
-from ckptplan.solvers import available_solvers
-from ckptplan.solvers.registry import get_solver
-from ckptplan.units import parse_budget
-
 from ckptplan.cli.exits import exits_on_error
 from ckptplan.cli.loader import load_model
 from ckptplan.cli.render import render_plan, render_profile, stderr_console
 from ckptplan.cli.summary import summarize
+from ckptplan.plan import load_plan, plan_json_schema
+from ckptplan.planner.io import check_plan_target, save_plan
+from ckptplan.solvers import available_solvers
+from ckptplan.solvers.registry import get_solver
+from ckptplan.units import check_budget
 
 log = logging.getLogger(__name__)
-
-# Only syntax is checked before profiling; a fraction is resolved later against the real
-# baseline. The probe is large so that any fraction a real model could accept passes here.
-_BUDGET_SYNTAX_PROBE_BYTES = 2**62
 
 app = typer.Typer(
     name="ckptplan",
@@ -65,7 +60,7 @@ ModelArg = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout only.")]
 TraceOpt = Annotated[TraceMode, typer.Option(help="How to capture the graph: torch.export or torch.fx.symbolic_trace.")]
 OptimizerOpt = Annotated[
-    Optional[Optimizer],  # noqa: UP045  (typer reads this annotation at runtime; keep 3.9-style Optional)
+    Optimizer | None,
     typer.Option(case_sensitive=False, help="Count this optimizer's state in resident memory.", show_default=False),
 ]
 
@@ -94,25 +89,27 @@ def solve(
     model: ModelArg,
     budget: Annotated[
         str,
-        typer.Option(help="Peak memory allowed: '80GB', '80GiB', bytes, '60%' or a fraction like 0.6.", show_default=False),
+        typer.Option(
+            help="Peak memory allowed: '80GB', '80GiB', bytes, '60%' or a fraction like 0.6.", show_default=False
+        ),
     ],
     solver: Annotated[str, typer.Option(help=f"Solver name: {', '.join(available_solvers())}.")] = "auto",
-    out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON to this file.", show_default=False)] = None,  # noqa: UP045
+    out: Annotated[Path | None, typer.Option(help="Write the plan JSON to this file.", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
     json_output: JsonOpt = False,
     trace: TraceOpt = TraceMode.export,
     optimizer: OptimizerOpt = None,
     time_limit: Annotated[
-        Optional[float],  # noqa: UP045
+        float | None,
         typer.Option(min=0.0, metavar="SECONDS", help="Stop the solver after this long.", show_default=False),
     ] = None,
 ) -> None:
     """Find which activations to keep and which to recompute so one step fits BUDGET."""
     # Cheap checks first: a typo should not cost a minutes-long profile.
     get_solver(solver)
-    parse_budget(budget, _BUDGET_SYNTAX_PROBE_BYTES)
-    if out is not None and out.exists() and not force:
-        raise CkptPlanError(f"{str(out)!r} already exists; pass --force to overwrite it.")
+    check_budget(budget)
+    if out is not None:
+        check_plan_target(out, overwrite=force)
     with load_model(model) as loaded:
         log.info("profiling %s", loaded.source)
         graph = ckptplan.profile(
@@ -121,8 +118,6 @@ def solve(
     log.info("solving %s (%d nodes) with %s", graph.name, len(graph.nodes), solver)
     plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit)
     if out is not None:
-        from ckptplan.planner import save_plan  # imports torch; only solve needs it
-
         save_plan(plan, out, overwrite=force)
     if json_output:
         _write_stdout(plan.to_json())
@@ -161,7 +156,7 @@ def show(
     json_output: Annotated[bool, typer.Option("--json", help="Print the validated plan JSON on stdout.")] = False,
 ) -> None:
     """Summarise a saved plan."""
-    plan: Plan = load_plan(plan_file)
+    plan = load_plan(plan_file)
     if json_output:
         _write_stdout(plan.to_json())
         return
@@ -175,10 +170,13 @@ def schema() -> None:
 
 
 def _configure_logging(verbose: bool) -> None:
-    """Route ckptplan's log records to the stderr console. The handler looks ``sys.stderr`` up
-    when it writes, so repeated in-process runs (tests) never write to a closed stream."""
+    """With ``-v``, show ckptplan's INFO records on the stderr console (its handler looks
+    ``sys.stderr`` up when it writes). Without it logging is left alone: Python's last-resort
+    handler already prints warnings, and in-process callers (tests) keep their own setup."""
+    if not verbose:
+        return
     logger = logging.getLogger("ckptplan")
-    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    logger.setLevel(logging.INFO)
     if not any(isinstance(handler, RichHandler) for handler in logger.handlers):
         logger.addHandler(RichHandler(console=stderr_console(), show_time=False, show_path=False))
 

@@ -11,10 +11,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptplan.plan import Plan
-from ckptplan.units import format_bytes, format_flops
-
 from ckptplan.cli.summary import GroupRow, ProfileSummary
+from ckptplan.plan import Plan
+from ckptplan.units import describe_bytes, format_bytes, format_flops
 
 
 def stderr_console() -> Console:
@@ -36,13 +35,15 @@ def render_plan(console: Console, plan: Plan) -> None:
     gap = "" if solver.gap is None else f", gap {solver.gap:.2%}"
     rows = [
         ("model", f"{plan.model.name} ({plan.model.node_count} nodes, fingerprint {plan.model.fingerprint})"),
-        ("budget", f"{plan.budget.requested} = {format_bytes(plan.budget.bytes)} ({plan.budget.bytes} bytes)"),
+        ("budget", f"{plan.budget.requested} = {describe_bytes(plan.budget.bytes)}"),
         ("solver", f"{solver.name}: {solver.status} in {solver.seconds:.2f} s{gap}"),
     ]
     if solver.note:
         rows.append(("", solver.note))
     rows.append(("peak", _peak_line(prediction.peak_bytes, prediction.baseline_peak_bytes)))
-    rows.append(("recompute", f"{format_flops(prediction.recompute_flops)}, overhead {prediction.overhead:.1%} of a step"))
+    rows.append(
+        ("recompute", f"{format_flops(prediction.recompute_flops)}, overhead {prediction.overhead:.1%} of a step")
+    )
     console.print(_facts(rows))
     console.print(_regions_table(plan))
 

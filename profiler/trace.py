@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,8 +73,28 @@ def trace_model(model: nn.Module, args: tuple, kwargs: dict | None, mode: TraceM
     return Traced(gm=gm, flat_inputs=flat, mode=mode)
 
 
+# Loggers that narrate a failed export at WARNING level; the TraceError we raise says it once.
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Silence what torch.export prints on failure (it dumps the partial graph to stderr)."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
-    program = torch.export.export(model, args, kwargs)
+    with _quiet_export():
+        program = torch.export.export(model, args, kwargs)
     return program.module()
 
 

@@ -33,16 +33,18 @@ _CUT_QUANTILES = (0.0, 0.25, 0.5)
 def crossing_bytes(graph: ComputeGraph) -> list[int]:
     """``crossing[k]`` for k in 0..n: activation bytes live across cut k in forward."""
     n = len(graph.nodes)
+    last_reader: dict[int, int] = {}
+    for node in graph.nodes:
+        readers = graph.users[node.index]
+        if readers:
+            for s in node.outputs:
+                last_reader[s] = max(last_reader.get(s, -1), readers[-1])
     delta = [0] * (n + 2)
-    for storage in graph.storages:
-        if storage.is_static or storage.kind != "activation":
-            continue
-        readers = [u for j in range(n) if storage.index in graph.nodes[j].outputs for u in graph.users[j]]
-        if not readers:
-            continue
-        # live across cuts producer+1 .. last reader
-        delta[storage.producer + 1] += storage.nbytes
-        delta[max(readers) + 1] -= storage.nbytes
+    for s, last in last_reader.items():
+        storage = graph.storages[s]
+        if storage.kind == "activation":
+            delta[storage.producer + 1] += storage.nbytes
+            delta[last + 1] -= storage.nbytes
     crossing, running = [], 0
     for k in range(n + 1):
         running += delta[k]

@@ -1,0 +1,90 @@
+"""Predictions against measurement: the simulator's peak vs MemTracker's over a real CPU step.
+
+The examples run at their Quickstart shapes, at every budget the sqrt solver reaches between
+90% and 60% of the no-checkpoint peak, plus hand-made nested and selective plans.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptplan
+from ckptplan import Region
+from ckptplan.errors import InfeasibleBudgetError
+from tests import models
+from tests.conftest import load_example
+
+TOLERANCE = 0.03  # relative; issue #2 asks for 5%, #5 for 3%
+
+
+def _assert_close(predicted: int, measured: int, what: str) -> None:
+    error = abs(predicted - measured) / measured
+    assert error <= TOLERANCE, f"{what}: predicted {predicted} vs measured {measured} ({100 * error:.2f}%)"
+
+
+def test_examples_predicted_peak_matches_memtracker(example_name: str) -> None:
+    model, args = load_example(example_name).build()
+    graph = ckptplan.profile(model, args)
+    _assert_close(graph.baseline_peak_bytes, ckptplan.measure_step(model, args).peak_bytes, "no checkpoint")
+    measured_peaks = []
+    for fraction in (0.9, 0.75, 0.6):
+        try:
+            plan = ckptplan.solve(graph, fraction, solver="sqrt")
+        except InfeasibleBudgetError:
+            continue
+        measured = ckptplan.measure_step(ckptplan.emit(graph, plan), args).peak_bytes
+        _assert_close(plan.prediction.peak_bytes, measured, f"{example_name} at {fraction}")
+        assert measured <= plan.budget.bytes * (1 + TOLERANCE)
+        measured_peaks.append(measured)
+    assert measured_peaks, "the sqrt solver should reach at least 90% of the baseline"
+    assert measured_peaks == sorted(measured_peaks, reverse=True), "measured peak must fall with the budget"
+
+
+def test_quickstart_budget_of_60_percent_holds_when_measured(example_name: str) -> None:
+    """The acceptance check of issue #2: at 60% of the baseline, the measured peak fits."""
+    model, args = load_example(example_name).build()
+    graph = ckptplan.profile(model, args)
+    plan = ckptplan.solve(graph, 0.6)
+    measured = ckptplan.measure_step(ckptplan.emit(graph, plan), args).peak_bytes
+    assert measured <= plan.budget.bytes
+
+
+@pytest.mark.parametrize(
+    "regions",
+    [
+        [Region(0, 12), Region(12, 24)],
+        [Region(0, 12, children=(Region(0, 6), Region(6, 12))), Region(12, 24, children=(Region(12, 18),))],
+        [Region(2, 11, keep=("linear_2", "linear_4")), Region(13, 22, keep=("tanh_8",))],
+        [Region(0, 24, children=(Region(4, 8, keep=("linear_3",)), Region(12, 20)))],
+        [Region(3, 4), Region(5, 6)],
+    ],
+    ids=["flat", "nested", "keep", "nested_keep", "single_ops"],
+)
+def test_hand_made_plans_match_memtracker(regions: list[Region]) -> None:
+    torch.manual_seed(0)
+    model = models.mlp(depth=12, width=256)
+    args = (torch.randn(1024, 256),)
+    graph = ckptplan.profile(model, args)
+    plan = ckptplan.make_plan(graph, regions)
+    measured = ckptplan.measure_step(ckptplan.emit(graph, plan), args).peak_bytes
+    _assert_close(plan.prediction.peak_bytes, measured, str(regions))
+
+
+def test_transformers_gpt2_prediction_and_gradients() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=128, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 128, (4, 32))
+    kwargs = {"labels": ids}
+    graph = ckptplan.profile(model, (ids,), kwargs)
+    plan = ckptplan.solve(graph, 0.9, solver="sqrt")
+    emitted = ckptplan.emit(graph, plan)
+    out = emitted(ids, **kwargs)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    measured = ckptplan.measure_step(emitted, (ids,), kwargs).peak_bytes
+    _assert_close(plan.prediction.peak_bytes, measured, "GPT-2")

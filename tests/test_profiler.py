@@ -1,0 +1,141 @@
+"""The profiler: what it records per op, static memory, meta-device profiling, trace errors."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+import ckptplan
+from ckptplan.errors import TraceError
+from tests import models
+
+
+def test_nodes_are_compute_ops_in_execution_order() -> None:
+    model = models.mlp(depth=3)
+    graph = ckptplan.profile(model, (torch.randn(8, 64),))
+    assert [n.op for n in graph.nodes] == ["aten.linear.default", "aten.tanh.default"] * 3
+    assert [n.index for n in graph.nodes] == list(range(6))
+    assert graph.nodes[1].inputs == (0,)
+    assert graph.nodes[0].module == "0" and graph.nodes[5].module == "5"
+    assert graph.loss_nodes == (5,) and graph.outputs == (5,)
+
+
+def test_saved_bytes_include_hidden_tensors_and_exclude_parameters() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+            self.ln = nn.LayerNorm(32)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.drop(self.ln(self.fc(x)))
+
+    batch = 16
+    graph = ckptplan.profile(Block(), (torch.randn(batch, 32),))
+    by_op = {n.op: n for n in graph.nodes}
+    dropout, layer_norm, linear = by_op["aten.dropout.default"], by_op["aten.layer_norm.default"], by_op["aten.linear.default"]
+    activation = batch * 32 * 4
+    # dropout saves its mask, a tensor no node returns (float mask on CPU)
+    hidden = [graph.storages[s] for s in dropout.saved if graph.storages[s].kind == "hidden"]
+    assert hidden and sum(s.nbytes for s in hidden) >= batch * 32
+    # layer norm saves its input plus per-row mean and rstd
+    assert graph.saved_bytes(layer_norm.index) == activation + 2 * batch * 4
+    # linear saves its (graph) input; the weight it also saves is a parameter
+    assert all(graph.storages[s].kind in ("input", "param") for s in linear.saved)
+    assert graph.activation_bytes == sum(
+        graph.storages[s].nbytes for s in {s for n in graph.nodes for s in n.saved} if not graph.storages[s].is_static
+    )
+    assert graph.activation_bytes < graph.static.param_bytes + sum(graph.saved_bytes(n.index) for n in graph.nodes) + 1
+
+
+def test_flops_match_flop_counter_and_pointwise_ops_cost_time() -> None:
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    x = torch.randn(32, 64)
+    graph = ckptplan.profile(model, (x,))
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    assert sum(n.fwd_flops + n.bwd_flops for n in graph.nodes) == counter.get_total_flops()
+    assert graph.nodes[0].fwd_flops == 2 * 32 * 64 * 128
+    gelu = graph.nodes[1]
+    assert gelu.fwd_flops == 0 and gelu.fwd_cost > 0 and gelu.bytes_moved == 2 * 32 * 128 * 4
+
+
+def test_static_memory_and_optimizer_state() -> None:
+    model = models.mlp(depth=2)
+    x = torch.randn(8, 64)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    plain = ckptplan.profile(model, (x,))
+    adamw = ckptplan.profile(model, (x,), optimizer="adamw")
+    sgd = ckptplan.profile(model, (x,), optimizer="sgd")
+    assert plain.static.param_bytes == params == plain.static.grad_bytes
+    assert plain.static.input_bytes == x.numel() * 4
+    assert adamw.static.optimizer_bytes == 2 * params + 4 * len(list(model.parameters()))
+    assert sgd.static.optimizer_bytes == params
+    assert adamw.baseline_peak_bytes == plain.baseline_peak_bytes + adamw.static.optimizer_bytes
+    with pytest.raises(ckptplan.CkptPlanError, match="Unknown optimizer"):
+        ckptplan.profile(model, (x,), optimizer="lion")
+
+
+def test_frozen_parameters_get_no_gradient_memory() -> None:
+    model = models.mlp(depth=2)
+    model[0].requires_grad_(False)
+    graph = ckptplan.profile(model, (torch.randn(8, 64),))
+    assert graph.static.grad_bytes == sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert graph.nodes[0].param_grads == ()
+
+
+def test_fingerprint_is_stable_and_shape_sensitive() -> None:
+    model = models.mlp(depth=2)
+    a = ckptplan.profile(model, (torch.randn(8, 64),))
+    b = ckptplan.profile(model, (torch.randn(8, 64),))
+    c = ckptplan.profile(model, (torch.randn(16, 64),))
+    assert a.fingerprint == b.fingerprint != c.fingerprint
+
+
+def test_meta_device_profiles_a_large_model_without_allocating() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(16384, 16384) for _ in range(8)])  # 8.6 GB of fp32 weights
+        x = torch.randn(65536, 16384)  # 4 GiB per activation
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    graph = ckptplan.profile(model, (x,))
+    rss_growth_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    assert graph.static.param_bytes == 8 * (16384 * 16384 + 16384) * 4
+    assert rss_growth_kib < 512 * 1024, f"profiling on meta grew RSS by {rss_growth_kib} KiB"
+    plan = ckptplan.solve(graph, 0.8, solver="sqrt")
+    assert plan.prediction.peak_bytes <= plan.budget.bytes
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if h.sum() > 0:
+            return F.relu(h)
+        return h
+
+
+def test_untraceable_model_names_cause_and_other_tracer() -> None:
+    with pytest.raises(TraceError, match="symbolic") as info:
+        ckptplan.profile(DataDependent(), (torch.randn(4, 8),))
+    assert "data-dependent" in str(info.value)
+    with pytest.raises(TraceError, match="export"):
+        ckptplan.profile(DataDependent(), (torch.randn(4, 8),), trace="symbolic")
+
+
+def test_symbolic_trace_records_the_same_memory_as_export() -> None:
+    model = models.mlp(depth=3)
+    x = torch.randn(32, 64)
+    exported = ckptplan.profile(model, (x,))
+    symbolic = ckptplan.profile(model, (x,), trace="symbolic")
+    assert symbolic.trace == "symbolic"
+    assert symbolic.activation_bytes == exported.activation_bytes
+    assert symbolic.baseline_peak_bytes == exported.baseline_peak_bytes
