@@ -151,6 +151,8 @@ class Plan(_Frozen):
             raw = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise PlanFormatError(f"Plan is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc}).") from None
+        except RecursionError:
+            raise PlanFormatError("Plan JSON is nested too deeply to be a plan.") from None
         if not isinstance(raw, dict):
             raise PlanFormatError("Plan JSON must be an object with 'schema_version', 'model', 'regions', ...")
         version = raw.get("schema_version")
@@ -160,6 +162,8 @@ class Plan(_Frozen):
             )
         try:
             return cls.model_validate(raw)
+        except RecursionError:
+            raise PlanFormatError("Plan regions are nested too deeply to be a plan.") from None
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "plan"

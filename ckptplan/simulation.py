@@ -152,6 +152,8 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
     counter = [0]
 
     def make(region: Region, parent: _RegionInfo | None) -> _RegionInfo:
+        if not 0 <= region.start < region.end:
+            raise PlanFormatError(f"Region [{region.start}, {region.end}) is empty or starts before node 0.")
         if region.end > n:
             raise PlanFormatError(f"Region [{region.start}, {region.end}) runs past the graph's {n} nodes.")
         for edge in (region.start, region.end):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 
 from ckptplan.errors import BudgetError
 
@@ -30,35 +31,49 @@ _PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 def parse_budget(budget: str | int | float, baseline_peak_bytes: int) -> int:
     """Turn a budget into bytes.
 
-    ``"80GB"``, ``"80GiB"``, ``"512MiB"``: sizes; a plain integer (or integer string) is bytes;
-    a float in (0, 1] (or ``"60%"``) is that fraction of ``baseline_peak_bytes``, the peak of the
-    step without checkpointing. Fractions round down so the budget is never looser than asked.
+    ``"80GB"``, ``"80GiB"``, ``"512MiB"``: sizes. A plain number is bytes, except a number in
+    (0, 1] written with a decimal point or exponent (``0.6``, ``"0.6"``, ``"6e-1"``) or a
+    percentage (``"60%"``), which is that fraction of ``baseline_peak_bytes``, the peak of the
+    step without checkpointing. Decimal text is read exactly, and fractions round down, so the
+    budget is never looser than asked.
     """
-    if isinstance(budget, bool):
+    if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
         raise BudgetError(f"Budget {budget!r} is not a size; write bytes, '80GB', '80GiB' or a fraction like 0.6.")
     if isinstance(budget, int):
         return _positive(budget, budget)
     if isinstance(budget, float):
-        return _fraction(budget, baseline_peak_bytes, budget)
-    if not isinstance(budget, str):
-        raise BudgetError(f"Budget {budget!r} is not a size; write bytes, '80GB', '80GiB' or a fraction like 0.6.")
+        if not math.isfinite(budget):
+            raise BudgetError(f"Budget {budget!r} is not a finite number.")
+        return _plain_number(Decimal(repr(budget)), baseline_peak_bytes, budget, fractional=True)
     text = budget.strip()
     percent = _PERCENT_RE.match(text)
     if percent:
-        return _fraction(float(percent.group(1)) / 100.0, baseline_peak_bytes, budget)
+        return _fraction(Decimal(percent.group(1)) / 100, baseline_peak_bytes, budget)
     match = _SIZE_RE.match(text)
     if not match:
         raise BudgetError(
             f"Budget {budget!r} is not a size; write bytes, '80GB', '80GiB', '60%' or a fraction like 0.6."
         )
-    number, unit = match.group(1), match.group(2).upper()
+    number, unit = Decimal(match.group(1)), match.group(2).upper()
     if unit not in _UNITS:
         raise BudgetError(
             f"Budget {budget!r} has unknown unit {match.group(2)!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB."
         )
-    if unit == "" and ("." in number or "e" in number.lower()):
-        return _fraction(float(number), baseline_peak_bytes, budget)
-    return _positive(math.floor(float(number) * _UNITS[unit]), budget)
+    if unit == "":
+        fractional = "." in match.group(1) or "e" in match.group(1).lower()
+        return _plain_number(number, baseline_peak_bytes, budget, fractional=fractional)
+    return _positive(math.floor(number * _UNITS[unit]), budget)
+
+
+def _plain_number(number: Decimal, baseline_peak_bytes: int, original: object, *, fractional: bool) -> int:
+    """A unitless number: a fraction of the baseline if written as one and at most 1, else bytes."""
+    if fractional and number <= 1:
+        return _fraction(number, baseline_peak_bytes, original)
+    if number != number.to_integral_value():
+        raise BudgetError(
+            f"Budget {original!r} is neither whole bytes nor a fraction in (0, 1]; write e.g. 0.6, '60%' or '8GB'."
+        )
+    return _positive(int(number), original)
 
 
 def check_budget(budget: str | int | float) -> None:
@@ -73,8 +88,8 @@ def _positive(n_bytes: int, original: object) -> int:
     return int(n_bytes)
 
 
-def _fraction(fraction: float, baseline_peak_bytes: int, original: object) -> int:
-    if not math.isfinite(fraction) or not 0.0 < fraction <= 1.0:
+def _fraction(fraction: Decimal, baseline_peak_bytes: int, original: object) -> int:
+    if not 0 < fraction <= 1:
         raise BudgetError(
             f"Budget {original!r} reads as a fraction of the no-checkpoint peak but is not in (0, 1]; "
             "write a size such as '8GB' for an absolute budget."

@@ -116,8 +116,9 @@ _SKIP_LAYOUT: tuple[tuple[str, str, tuple[int, ...], int, tuple[str, ...], int, 
 
 def skip_graph(*, param_bytes: int = 48, input_bytes: int = 400, mask_bytes: int = 50) -> ComputeGraph:
     """A 9-node U-Net-like graph: ``enc_relu`` (node 1) is read by ``down`` (2) and again by
-    ``cat`` (6), so its output lives across nodes 2..5; ``drop`` (3) saves a hidden mask of
-    ``mask_bytes``; the loss (8) is the only output and the backward root."""
+    ``cat`` (6), so its output lives across nodes 2..5; ``drop`` (3) draws random numbers (so it
+    cannot be kept) and saves a hidden mask of ``mask_bytes``; the loss (8) is the only output
+    and the backward root."""
     storages: list[Storage] = [Storage(index=0, nbytes=input_bytes, kind="input")]
     nodes: list[Node] = []
     out_of: dict[int, int] = {}
@@ -148,6 +149,7 @@ def skip_graph(*, param_bytes: int = 48, input_bytes: int = 400, mask_bytes: int
                 grad_inputs=inputs,
                 param_grads=param,
                 requires_grad=True,
+                random=op == "aten.dropout.default",
                 output_bytes=nbytes,
                 fwd_flops=flops,
                 bwd_flops=2 * flops,
