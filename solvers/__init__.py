@@ -11,6 +11,7 @@ from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import BudgetInfo, Plan
 from ckptplan.simulation import simulate
+from ckptplan.solvers import dp as _dp  # noqa: F401  (registers "dp")
 from ckptplan.solvers import sqrt as _sqrt  # noqa: F401  (registers "sqrt")
 from ckptplan.solvers.registry import available_solvers, get_solver, register
 from ckptplan.units import describe_bytes, parse_budget

@@ -119,8 +119,9 @@ def test_solve_prints_summary_on_stderr(tiny: Path) -> None:
     result = invoke("solve", tiny, "--budget", "0.9", "--optimizer", "adamw", "--time-limit", "5")
     assert result.exit_code == 0, result.output
     assert result.stdout == ""
-    for expected in ("Sequential", "8 nodes", "0.9 =", "feasible", "without checkpointing", "overhead", "linear"):
+    for expected in ("Sequential", "8 nodes", "0.9 =", "without checkpointing", "overhead", "linear"):
         assert expected in result.stderr
+    assert "optimal" in result.stderr or "feasible" in result.stderr
 
 
 def test_solve_out_writes_a_loadable_plan(plan_file: Path) -> None:

@@ -1,0 +1,255 @@
+"""Cut a ``ComputeGraph`` into a chain of stages, the form optimal checkpointing DPs work on.
+
+A *cut* between node k-1 and node k is *clean* when (nearly) every activation live across it
+was made after the previous cut: then each stage reads only what the stage before it made, and
+the graph is a chain of stages. A pure chain keeps one stage per node (up to ``max_stages``,
+beyond which the cuts with the fewest live bytes are kept). Skip connections — a residual
+stream, U-Net concatenations — make the cuts they span unclean, so the nodes between their
+ends merge into one stage: the DP can only place regions at stage starts and cannot recompute
+part of a stage while storing the rest. That is what is lost when a graph is not a chain.
+Small tensors read far away (an attention mask shared by every layer) do not block a cut:
+they and their gradients count as resident for the whole step, which overstates memory but
+never understates it.
+
+Per stage k (nodes ``[starts[k], starts[k+1])``) the chain records, in bytes:
+
+* ``out_bytes[k]`` (X_k): activations crossing the cut after it — its output, read by stage k+1.
+  For the last stage: the graph outputs it produces, held until forward ends.
+* ``hidden_bytes[k]`` (H_k): what its ops save for backward besides its input and output.
+* ``saves_input[k]`` / ``saves_output[k]``: whether its ops save its input / its output.
+* ``fwd_all_bytes[k]``: peak bytes it allocates when run saving everything (its output and H_k
+  included); ``fwd_none_bytes[k]``: the same when it saves nothing (inside a checkpointed
+  forward); ``fwd_stop_bytes[k]``: when a recomputation stops at its last saving op.
+* ``bwd_extra_bytes[k]``: peak bytes its backward allocates beyond what it holds and the
+  gradient it receives (input gradient, first parameter gradients, temporaries).
+* ``param_grad_bytes[k]``: parameter gradients first allocated by its backward.
+* ``cost[k]``: seconds to run it forward again (the graph's roofline cost); ``flops[k]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptplan.graph import ComputeGraph
+
+
+@dataclass(frozen=True)
+class Chain:
+    starts: tuple[int, ...]
+    out_bytes: tuple[int, ...]
+    hidden_bytes: tuple[int, ...]
+    saves_input: tuple[bool, ...]
+    saves_output: tuple[bool, ...]
+    fwd_all_bytes: tuple[int, ...]
+    fwd_none_bytes: tuple[int, ...]
+    fwd_stop_bytes: tuple[int, ...]
+    bwd_extra_bytes: tuple[int, ...]
+    param_grad_bytes: tuple[int, ...]
+    cost: tuple[float, ...]
+    flops: tuple[int, ...]
+    resident_bytes: int
+    node_count: int
+    skip_bytes: int = 0
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def span(self, k: int) -> tuple[int, int]:
+        """Node range ``[start, end)`` of stage k."""
+        end = self.starts[k + 1] if k + 1 < len(self.starts) else self.node_count
+        return self.starts[k], end
+
+
+# A cut may split a tensor off from its readers (making it a skip) only if such tensors are at
+# most this share of what crosses the cut: an attention mask shared by all layers may be
+# carried, a residual stream may not.
+SKIP_SHARE = 1 / 16
+
+
+def stage_starts(graph: ComputeGraph, max_stages: int = 32) -> list[int]:
+    """Stage starts: 0 and the *clean* region boundaries, at most ``max_stages`` stages.
+
+    A boundary k is clean when the activations live across it that were made before the
+    previous stage start are at most ``SKIP_SHARE`` of all live across it; such cuts are taken
+    greedily left to right. If there are too many, those with the fewest bytes live across them
+    are kept."""
+    n = len(graph.nodes)
+    if n == 0:
+        return []
+    last_read = _last_reads(graph)
+    across: list[list[int]] = [[] for _ in range(n + 1)]  # storages live across each cut
+    for s, last in last_read.items():
+        for k in range(graph.storages[s].producer + 1, min(last, n - 1) + 1):
+            across[k].append(s)
+    crossing = [sum(graph.storages[s].nbytes for s in storages) for storages in across]
+    cuts = []
+    for k in range(1, n):
+        if k not in graph.boundaries:
+            continue
+        previous = cuts[-1] if cuts else 0
+        skipped = sum(graph.storages[s].nbytes for s in across[k] if graph.storages[s].producer < previous)
+        if skipped <= SKIP_SHARE * crossing[k]:
+            cuts.append(k)
+    if len(cuts) > max_stages - 1:
+        cuts = sorted(sorted(cuts, key=lambda k: (crossing[k], k))[: max_stages - 1])
+    return [0, *cuts]
+
+
+def _crossing_bytes(graph: ComputeGraph) -> list[int]:
+    n = len(graph.nodes)
+    delta = [0] * (n + 2)
+    for s, last in _last_reads(graph).items():
+        storage = graph.storages[s]
+        delta[storage.producer + 1] += storage.nbytes
+        delta[min(last, n) + 1] -= storage.nbytes
+    crossing, running = [], 0
+    for k in range(n + 1):
+        running += delta[k]
+        crossing.append(running)
+    return crossing
+
+
+def _last_reads(graph: ComputeGraph) -> dict[int, int]:
+    """For each activation/hidden storage: the last node that reads or saves it (n for graph outputs)."""
+    n = len(graph.nodes)
+    last: dict[int, int] = {}
+    for node in graph.nodes:
+        touched = {s for j in node.inputs for s in graph.nodes[j].outputs} | set(node.saved)
+        for s in touched:
+            if not graph.storages[s].is_static:
+                last[s] = max(last.get(s, -1), node.index)
+    for j in graph.outputs:
+        for s in graph.nodes[j].outputs:
+            if not graph.storages[s].is_static:
+                last[s] = n
+    return last
+
+
+def build_chain(graph: ComputeGraph, starts: list[int] | None = None) -> Chain:
+    """The stage chain of ``graph`` (at ``starts``, default ``stage_starts(graph)``).
+
+    An activation read more than one stage after the one that made it (a skip connection, a
+    shared attention mask) breaks the chain; it and its gradient are counted as resident for
+    the whole step instead, which overstates memory but never understates it."""
+    n = len(graph.nodes)
+    starts = stage_starts(graph) if starts is None else starts
+    ends = starts[1:] + [n]
+    stage_of = [0] * (n + 1)
+    for k, (start, end) in enumerate(zip(starts, ends)):
+        for i in range(start, end):
+            stage_of[i] = k
+    stage_of[n] = len(starts)  # graph outputs are read "after" the last stage
+    last_read = _last_reads(graph)
+    skips = {s for s, last in last_read.items() if stage_of[last] > stage_of[graph.storages[s].producer] + 1
+             and not (last == n and stage_of[graph.storages[s].producer] == len(starts) - 1)}
+    skip_bytes = _bytes(graph, skips)
+    skip_grad_bytes = sum(graph.nodes[graph.storages[s].producer].output_bytes for s in skips
+                          if graph.storages[s].kind == "activation")
+    crossing = [set() for _ in range(len(starts) + 1)]  # crossing[k]: storages live across stage k's start
+    for s, last in last_read.items():
+        if s in skips:
+            continue
+        producer = graph.storages[s].producer
+        for k, start in enumerate(starts):
+            if producer < start <= last:
+                crossing[k].add(s)
+    first_param_use: dict[int, int] = {}
+    for node in graph.nodes:
+        for p in node.param_grads:
+            first_param_use[p] = max(first_param_use.get(p, -1), node.index)  # backward meets the last use first
+
+    fields: dict[str, list] = {name: [] for name in (
+        "out_bytes", "hidden_bytes", "saves_input", "saves_output", "fwd_all_bytes", "fwd_none_bytes",
+        "fwd_stop_bytes", "bwd_extra_bytes", "param_grad_bytes", "cost", "flops")}
+    for k, (start, end) in enumerate(zip(starts, ends)):
+        inputs = crossing[k]
+        outputs = crossing[k + 1] if k + 1 < len(starts) else {
+            s for j in graph.outputs if start <= j < end for s in graph.nodes[j].outputs
+            if not graph.storages[s].is_static and s not in skips
+        }
+        saved = {s for i in range(start, end) for s in graph.nodes[i].saved
+                 if not graph.storages[s].is_static and s not in skips}
+        hidden = saved - inputs - outputs
+        out_bytes = _bytes(graph, outputs)
+        fields["out_bytes"].append(out_bytes)
+        fields["hidden_bytes"].append(_bytes(graph, hidden))
+        fields["saves_input"].append(bool(saved & inputs))
+        fields["saves_output"].append(bool(saved & outputs))
+        fields["fwd_all_bytes"].append(_forward_peak(graph, start, end, outputs, keep_saved=True))
+        fields["fwd_none_bytes"].append(_forward_peak(graph, start, end, outputs, keep_saved=False))
+        fields["fwd_stop_bytes"].append(_forward_peak(graph, start, end, outputs, keep_saved=True, stop=True))
+        params = sum(graph.storages[p].nbytes for p, i in first_param_use.items() if start <= i < end)
+        fields["param_grad_bytes"].append(params)
+        fields["bwd_extra_bytes"].append(_backward_extra(graph, start, end, first_param_use))
+        fields["cost"].append(sum(graph.nodes[i].fwd_cost for i in range(start, end)))
+        fields["flops"].append(sum(graph.nodes[i].fwd_flops for i in range(start, end)))
+    return Chain(
+        starts=tuple(starts),
+        resident_bytes=graph.static.resident_bytes + skip_bytes + skip_grad_bytes,
+        skip_bytes=skip_bytes + skip_grad_bytes,
+        node_count=n,
+        **{name: tuple(values) for name, values in fields.items()},
+    )
+
+
+def _bytes(graph: ComputeGraph, storages: set[int]) -> int:
+    return sum(graph.storages[s].nbytes for s in storages)
+
+
+def _forward_peak(graph: ComputeGraph, start: int, end: int, outputs: set[int], *, keep_saved: bool,
+                  stop: bool = False) -> int:
+    """Peak bytes allocated by nodes ``[start, end)`` run on their own, as the simulator counts
+    them: a storage lives until its last reader in the stage, or to the stage's end if it is an
+    output or (``keep_saved``) saved. ``stop``: the run ends at the last node that saves
+    something, which allocates only what it saves of its own."""
+    last_saver = max((i for i in range(start, end) if graph.nodes[i].saved), default=None)
+    if stop and last_saver is not None:
+        end = last_saver + 1
+    saved = {s for i in range(start, end) for s in graph.nodes[i].saved} if keep_saved else set()
+    last_use: dict[int, int] = {}
+    for i in range(start, end):
+        for j in graph.nodes[i].inputs:
+            for s in graph.nodes[j].outputs:
+                last_use[s] = i
+    alive: dict[int, int] = {}
+    peak = 0
+    for i in range(start, end):
+        node = graph.nodes[i]
+        produced = graph.produced_by(i)
+        if stop and i == end - 1:
+            produced = tuple(st for st in produced if st.index in set(node.saved))
+        for st in produced:
+            alive[st.index] = st.nbytes
+        peak = max(peak, sum(alive.values()) + node.fwd_workspace_bytes)
+        for st in produced:
+            if st.kind == "hidden" and st.index not in saved:
+                alive.pop(st.index, None)
+        for s in list(alive):
+            if s in outputs or s in saved:
+                continue
+            if last_use.get(s, graph.storages[s].producer) <= i:
+                alive.pop(s)
+    return peak
+
+
+def _backward_extra(graph: ComputeGraph, start: int, end: int, first_param_use: dict[int, int]) -> int:
+    """Peak bytes the backward of nodes ``[start, end)`` allocates on top of what the stage holds
+    and the gradient it receives: internal and input gradients, first parameter gradients and
+    temporaries. Internal saved tensors count as held until the whole stage is done, which
+    overstates merged stages a little and is exact for one-node stages."""
+    extra, peak = 0, 0
+    grads: dict[int, int] = {}  # node -> bytes of its pending output gradient (internal only)
+    for i in reversed(range(start, end)):
+        node = graph.nodes[i]
+        if not node.requires_grad:
+            continue
+        new = 0
+        for j in set(node.grad_inputs):
+            new += graph.nodes[j].output_bytes if not node.grad_aliases_output else 0
+        new += sum(graph.storages[p].nbytes for p in node.param_grads if first_param_use.get(p) == i)
+        peak = max(peak, extra + new + node.bwd_workspace_bytes)
+        extra += new - grads.pop(i, 0)
+        for j in set(node.grad_inputs):
+            if j >= start:
+                grads[j] = grads.get(j, 0) + (graph.nodes[j].output_bytes if not node.grad_aliases_output else 0)
+    return peak

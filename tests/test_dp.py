@@ -1,0 +1,162 @@
+"""The ``dp`` solver: optimal on chains (checked against exhaustive search through the
+simulator), never worse than ``sqrt`` on chains, and every plan fits when measured."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+import ckptplan
+from ckptplan import Region
+from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.simulation import simulate
+from ckptplan.solvers.chain import build_chain
+from ckptplan.solvers.dp import INF, solve_chain, solve_dp
+from ckptplan.solvers.sqrt import solve_sqrt
+from ckptplan.profiler.loss import training_loss
+from tests import models
+from tests.conftest import load_example
+from tests.synthetic import chain_graph
+
+
+def nested_plans(lo: int, hi: int, forbid_whole: bool = False):
+    """Every laminar family of regions over nodes [lo, hi): the slow, obvious reference space."""
+    if lo >= hi:
+        yield ()
+        return
+    yield from nested_plans(lo + 1, hi)
+    for end in range(lo + 1, hi + 1):
+        if forbid_whole and end == hi:
+            continue
+        for inner in list(nested_plans(lo, end, forbid_whole=True)):
+            for rest in nested_plans(end, hi):
+                yield (Region(lo, end, children=inner), *rest)
+
+
+def one_level_plans(n: int):
+    """Every set of disjoint regions (no nesting) over n nodes."""
+    def from_(lo: int):
+        if lo >= n:
+            yield ()
+            return
+        yield from from_(lo + 1)
+        for end in range(lo + 1, n + 1):
+            for rest in from_(end):
+                yield (Region(lo, end), *rest)
+    return list(from_(0))
+
+
+def random_chain(rng: random.Random, n: int):
+    sizes = [rng.choice([16, 32, 48, 64, 100, 128, 256]) for _ in range(n)]
+    return chain_graph(sizes, saves_output=rng.random() < 0.3, param_bytes=rng.choice([8, 64]))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_matches_exhaustive_nested_search(seed: int) -> None:
+    rng = random.Random(seed)
+    graph = random_chain(rng, rng.randint(2, 5))
+    reports = [(simulate(graph, plan), plan) for plan in set(nested_plans(0, len(graph.nodes)))]
+    chain = build_chain(graph)
+    assert len(chain) == len(graph.nodes), "a pure chain keeps one stage per node"
+    for budget in sorted({report.peak_bytes for report, _ in reports}):
+        best = min(report.recompute_seconds for report, _ in reports if report.peak_bytes <= budget)
+        cost, regions = solve_chain(chain, budget, mem_unit=1)
+        assert cost == best, f"budget {budget}"
+        report = simulate(graph, regions)
+        assert report.peak_bytes <= budget and report.recompute_seconds == cost
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_never_worse_than_any_one_level_plan_or_sqrt(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    graph = random_chain(rng, rng.randint(6, 8))
+    reports = [simulate(graph, plan) for plan in one_level_plans(len(graph.nodes))]
+    peaks = sorted({r.peak_bytes for r in reports})
+    for budget in peaks:
+        best_one_level = min(r.recompute_seconds for r in reports if r.peak_bytes <= budget)
+        plan = solve_dp(graph, budget)
+        assert plan.solver.status == "optimal"
+        assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
+        assert plan.prediction.recompute_seconds <= best_one_level
+        try:
+            sqrt_plan = solve_sqrt(graph, budget)
+        except InfeasibleBudgetError:
+            continue
+        assert plan.prediction.recompute_seconds <= sqrt_plan.prediction.recompute_seconds
+
+
+def test_dp_reaches_budgets_sqrt_cannot() -> None:
+    torch.manual_seed(0)
+    graph = ckptplan.profile(models.mlp(depth=12, width=256), (torch.randn(1024, 256),))
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_sqrt(graph, 1)
+    sqrt_least = info.value.min_peak_bytes
+    plan = solve_dp(graph, sqrt_least - 1)
+    assert plan.prediction.peak_bytes < sqrt_least
+
+
+def test_infeasible_budget_names_the_least_peak_and_it_is_reachable() -> None:
+    graph = chain_graph([64, 64, 128, 128, 64, 64])
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_dp(graph, 1)
+    least = info.value.min_peak_bytes
+    assert solve_dp(graph, least).prediction.peak_bytes <= least
+    with pytest.raises(InfeasibleBudgetError):
+        solve_dp(graph, least - 1)
+
+
+def test_dp_is_deterministic() -> None:
+    model, args = load_example("gpt").build(batch=4, seq=64)
+    graph = ckptplan.profile(model, args)
+
+    def plan_json(plan: ckptplan.Plan) -> str:
+        return plan.model_copy(update={"solver": plan.solver.model_copy(update={"seconds": 0.0})}).to_json()
+
+    assert plan_json(ckptplan.solve(graph, 0.7, solver="dp")) == plan_json(ckptplan.solve(graph, 0.7, solver="dp"))
+
+
+def test_skip_connections_merge_stages() -> None:
+    model, args = load_example("unet").build(batch=2, size=32)
+    graph = ckptplan.profile(model, args)
+    chain = build_chain(graph)
+    assert 1 < len(chain) < len(graph.nodes)
+    assert math.isclose(sum(chain.cost), sum(n.fwd_cost for n in graph.nodes))
+
+
+def test_coarse_memory_units_stay_within_budget() -> None:
+    model, args = load_example("gpt").build(batch=4, seq=64)
+    graph = ckptplan.profile(model, args)
+    budget = int(0.6 * graph.baseline_peak_bytes)
+    coarse = solve_dp(graph, budget, mem_unit=budget // 50)
+    exact = solve_dp(graph, budget, mem_unit=1)
+    assert coarse.prediction.peak_bytes <= budget and exact.prediction.peak_bytes <= budget
+    assert exact.prediction.recompute_seconds <= coarse.prediction.recompute_seconds
+    cost, _ = solve_chain(build_chain(graph), graph.static.resident_bytes, mem_unit=1)
+    assert cost == INF
+
+
+def test_nested_dp_plan_runs_with_equal_gradients_and_measured_peak() -> None:
+    torch.manual_seed(0)
+    model = models.mlp(depth=12, width=256)
+    args = (torch.randn(1024, 256),)
+    graph = ckptplan.profile(model, args)
+    least = None
+    try:
+        solve_dp(graph, 1)
+    except InfeasibleBudgetError as error:
+        least = error.min_peak_bytes
+    plan = ckptplan.solve(graph, least, solver="dp")
+    assert any(region.children for region in plan.regions)
+    emitted = ckptplan.emit(graph, plan)
+    measured = ckptplan.measure_step(emitted, args).peak_bytes
+    assert abs(measured - plan.prediction.peak_bytes) <= 0.03 * measured
+    reference = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    training_loss(emitted(*args)).backward()
+    training_loss(reference(*args)).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
