@@ -180,7 +180,7 @@ def build_chain(graph: ComputeGraph, starts: list[int] | None = None) -> Chain:
         fields["fwd_stop_bytes"].append(_forward_peak(graph, start, end, outputs, keep_saved=True, stop=True))
         params = sum(graph.storages[p].nbytes for p, i in first_param_use.items() if start <= i < end)
         fields["param_grad_bytes"].append(params)
-        fields["bwd_extra_bytes"].append(_backward_extra(graph, start, end, first_param_use))
+        fields["bwd_extra_bytes"].append(_backward_extra(graph, start, end, hidden, first_param_use))
         fields["cost"].append(sum(graph.nodes[i].fwd_cost for i in range(start, end)))
         fields["flops"].append(sum(graph.nodes[i].fwd_flops for i in range(start, end)))
     return Chain(
@@ -232,24 +232,32 @@ def _forward_peak(graph: ComputeGraph, start: int, end: int, outputs: set[int], 
     return peak
 
 
-def _backward_extra(graph: ComputeGraph, start: int, end: int, first_param_use: dict[int, int]) -> int:
-    """Peak bytes the backward of nodes ``[start, end)`` allocates on top of what the stage holds
-    and the gradient it receives: internal and input gradients, first parameter gradients and
-    temporaries. Internal saved tensors count as held until the whole stage is done, which
-    overstates merged stages a little and is exact for one-node stages."""
-    extra, peak = 0, 0
+def _backward_extra(
+    graph: ComputeGraph, start: int, end: int, hidden: set[int], first_param_use: dict[int, int]
+) -> int:
+    """Peak bytes the backward of nodes ``[start, end)`` allocates on top of the gradient it
+    receives and what the stage holds (``hidden`` counted in full): internal and input
+    gradients, first parameter gradients and temporaries, less the hidden tensors already
+    released by the ops whose backward has finished (so it may be negative)."""
+    release_at: dict[int, int] = {}
+    for i in range(start, end):
+        for s in graph.nodes[i].saved:
+            if s in hidden:
+                release_at.setdefault(s, i)  # freed after the earliest saver's backward
+    held = _bytes(graph, hidden)
+    extra, peak = 0, None
     grads: dict[int, int] = {}  # node -> bytes of its pending output gradient (internal only)
     for i in reversed(range(start, end)):
         node = graph.nodes[i]
-        if not node.requires_grad:
-            continue
-        new = 0
-        for j in set(node.grad_inputs):
-            new += graph.nodes[j].output_bytes if not node.grad_aliases_output else 0
-        new += sum(graph.storages[p].nbytes for p in node.param_grads if first_param_use.get(p) == i)
-        peak = max(peak, extra + new + node.bwd_workspace_bytes)
-        extra += new - grads.pop(i, 0)
-        for j in set(node.grad_inputs):
-            if j >= start:
-                grads[j] = grads.get(j, 0) + (graph.nodes[j].output_bytes if not node.grad_aliases_output else 0)
-    return peak
+        if node.requires_grad:
+            new = 0 if node.grad_aliases_output else sum(graph.nodes[j].output_bytes for j in set(node.grad_inputs))
+            new += sum(graph.storages[p].nbytes for p in node.param_grads if first_param_use.get(p) == i)
+            event = held + extra + new + node.bwd_workspace_bytes
+            peak = event if peak is None else max(peak, event)
+            extra += new - grads.pop(i, 0)
+            if not node.grad_aliases_output:
+                for j in set(node.grad_inputs):
+                    if j >= start:
+                        grads[j] = grads.get(j, 0) + graph.nodes[j].output_bytes
+        held -= sum(graph.storages[s].nbytes for s, at in release_at.items() if at == i)
+    return (peak if peak is not None else 0) - _bytes(graph, hidden)
