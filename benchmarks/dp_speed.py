@@ -63,10 +63,8 @@ def main() -> None:
         for units in (100, 500):
             (cost, _), dp_seconds = timed(solve_chain, chain, budget, max(1, budget // units))
             step = graph.step_cost
-            print(
-                f"| {len(chain)} | {units} | {dp_seconds:.2f} | {cost / step:.3f} | {sqrt_seconds:.2f} | "
-                f"{sqrt_plan.prediction.overhead if sqrt_plan else float('nan'):.3f} |"
-            )
+            sqrt_overhead = f"{sqrt_plan.prediction.overhead:.3f}" if sqrt_plan else "infeasible"
+            print(f"| {len(chain)} | {units} | {dp_seconds:.2f} | {cost / step:.3f} | {sqrt_seconds:.2f} | {sqrt_overhead} |")
     graph = mlp_graph(1000)
     budget = tight_budget(graph)
     plan, seconds = timed(solve_dp, graph, budget)

@@ -240,7 +240,7 @@ def solve_dp(
         target -= overshoot + unit
     note = f"{len(chain)} stages over {len(graph.nodes)} nodes, memory unit {unit} byte(s)"
     if len(chain) < len(graph.nodes):
-        note += "; skip connections merged nodes into stages: optimal for that stage chain"
+        note += "; nodes merged into stages (skip connections or the stage limit): optimal for that stage chain"
     if repaired:
         note += f"; re-solved {repaired} time(s) below the budget where merged stages were underestimated"
     return make_plan(
