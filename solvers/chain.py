@@ -95,20 +95,6 @@ def stage_starts(graph: ComputeGraph, max_stages: int = 32) -> list[int]:
     return [0, *cuts]
 
 
-def _crossing_bytes(graph: ComputeGraph) -> list[int]:
-    n = len(graph.nodes)
-    delta = [0] * (n + 2)
-    for s, last in _last_reads(graph).items():
-        storage = graph.storages[s]
-        delta[storage.producer + 1] += storage.nbytes
-        delta[min(last, n) + 1] -= storage.nbytes
-    crossing, running = [], 0
-    for k in range(n + 1):
-        running += delta[k]
-        crossing.append(running)
-    return crossing
-
-
 def _last_reads(graph: ComputeGraph) -> dict[int, int]:
     """For each activation/hidden storage: the last node that reads or saves it (n for graph outputs)."""
     n = len(graph.nodes)
