@@ -67,10 +67,6 @@ class Report:
     timeline: tuple[Event, ...]
     baseline_resident_bytes: int
 
-    @property
-    def overhead_cost(self) -> float:
-        return self.recompute_seconds
-
 
 @dataclass
 class _RegionInfo:

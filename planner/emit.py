@@ -11,7 +11,6 @@ the model's own ``forward`` (the traced graph is a training-mode graph).
 from __future__ import annotations
 
 import contextlib
-import logging
 import operator
 import threading
 from collections.abc import Iterator, Sequence
@@ -26,8 +25,6 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region
 from ckptplan.profiler.record import iter_compute_nodes
 from ckptplan.simulation import build_region_tree
-
-log = logging.getLogger(__name__)
 
 _STATE = threading.local()
 

@@ -16,8 +16,6 @@ from torch import nn
 
 from ckptplan.errors import TraceError
 
-log = logging.getLogger(__name__)
-
 TraceMode = Literal["export", "symbolic"]
 _OTHER = {"export": "symbolic", "symbolic": "export"}
 

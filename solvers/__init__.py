@@ -4,7 +4,6 @@ simulator."""
 
 from __future__ import annotations
 
-import logging
 import time
 
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
@@ -15,8 +14,6 @@ from ckptplan.solvers import dp as _dp  # noqa: F401  (registers "dp")
 from ckptplan.solvers import sqrt as _sqrt  # noqa: F401  (registers "sqrt")
 from ckptplan.solvers.registry import available_solvers, get_solver, register
 from ckptplan.units import describe_bytes, parse_budget
-
-log = logging.getLogger(__name__)
 
 __all__ = ["available_solvers", "register", "solve"]
 

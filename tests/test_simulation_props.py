@@ -424,7 +424,6 @@ def test_recompute_cost_is_the_forward_cost_of_the_rerun_ops(case) -> None:
     report = simulate(graph, regions)
     assert report.recompute_flops == sum(graph.nodes[i].fwd_flops for i in report.recomputed)
     assert report.recompute_seconds == sum(graph.nodes[i].fwd_cost for i in report.recomputed)
-    assert report.overhead_cost == report.recompute_seconds
     covered = {i for region, _ in _walk(regions) for i in range(region.start, region.end)}
     assert set(report.recomputed) <= covered
     depth = Counter(i for region, _ in _walk(regions) for i in range(region.start, region.end))
