@@ -163,8 +163,7 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
     if graph.traced is None or graph.model is None:
         raise PlanFormatError("This ComputeGraph has no traced module to rewrite; profile the model again.")
     regions = tuple(plan.regions) if isinstance(plan, Plan) else tuple(plan)
-    tops = build_region_tree(graph, regions)  # validates bounds and keep-sets
-    del tops
+    build_region_tree(graph, regions)  # validates bounds, nesting, keep-sets and in-place edges
     source: torch.fx.GraphModule = graph.traced
     model: nn.Module = graph.model
     new_graph = torch.fx.Graph()
@@ -188,17 +187,13 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
     root: dict[str, Any] = {**wrappers}
     for fx_node in new_graph.nodes:
         if fx_node.op in ("get_attr", "call_module") and fx_node.target not in root:
-            root[fx_node.target] = source.get_submodule(fx_node.target) if fx_node.op == "call_module" else _fetch(source, fx_node.target)
+            if fx_node.op == "call_module":
+                root[fx_node.target] = owner_modules[fx_node.target]
+            else:
+                root[fx_node.target] = _fetch_from(owner_modules, fx_node.target)
     module = CheckpointedModule(root, new_graph, class_name=f"Checkpointed{graph.name}")
     _share_state(module, model, source, wrappers)
     return module
-
-
-def _fetch(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _share_state(module: CheckpointedModule, model: nn.Module, source: torch.fx.GraphModule,
@@ -342,6 +337,9 @@ def _buffer_owner(
 
 
 def _fetch_from(modules: dict[str, nn.Module], target: str) -> Any:
+    """The attribute ``target`` ("layers.0.weight", or a submodule path) of the traced module."""
+    if target in modules:
+        return modules[target]
     owner, _, attr = target.rpartition(".")
     return getattr(modules[owner], attr)
 
