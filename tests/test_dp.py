@@ -160,3 +160,22 @@ def test_nested_dp_plan_runs_with_equal_gradients_and_measured_peak() -> None:
     training_loss(reference(*args)).backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_gpt_example_dp_never_costs_more_than_sqrt_and_reaches_lower() -> None:
+    """Issue #3's acceptance check on the Quickstart GPT."""
+    model, args = load_example("gpt").build()
+    graph = ckptplan.profile(model, args)
+    least = {}
+    for solver in ("sqrt", "dp"):
+        with pytest.raises(InfeasibleBudgetError) as info:
+            ckptplan.solve(graph, 1, solver=solver)
+        least[solver] = info.value.min_peak_bytes
+    assert least["dp"] < least["sqrt"]
+    for fraction in (0.9, 0.7, 0.5, 0.35):
+        dp_plan = ckptplan.solve(graph, fraction, solver="dp")
+        sqrt_plan = ckptplan.solve(graph, fraction, solver="sqrt")
+        assert dp_plan.prediction.recompute_seconds <= sqrt_plan.prediction.recompute_seconds
+    plan = ckptplan.solve(graph, (least["dp"] + least["sqrt"]) // 2, solver="dp")
+    measured = ckptplan.measure_step(ckptplan.emit(graph, plan), args).peak_bytes
+    assert measured <= plan.budget.bytes
