@@ -39,6 +39,7 @@ _LAZY = {
     "checkpoint": "ckptplan.planner",
     "apply": "ckptplan.planner",
     "measure_step": "ckptplan.planner",
+    "verify": "ckptplan.planner",
 }
 
 __all__ = [

@@ -17,9 +17,9 @@ import typer
 from rich.logging import RichHandler
 
 import ckptplan
-from ckptplan.cli.exits import exits_on_error
+from ckptplan.cli.exits import EXIT_ERROR, exits_on_error
 from ckptplan.cli.loader import load_model
-from ckptplan.cli.render import render_plan, render_profile, stderr_console
+from ckptplan.cli.render import render_plan, render_profile, render_verification, stderr_console
 from ckptplan.cli.summary import summarize
 from ckptplan.plan import load_plan, plan_json_schema
 from ckptplan.planner.io import check_plan_target, save_plan
@@ -41,6 +41,11 @@ app = typer.Typer(
 class TraceMode(str, Enum):
     export = "export"
     symbolic = "symbolic"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
 
 
 class Optimizer(str, Enum):
@@ -161,6 +166,29 @@ def show(
         _write_stdout(plan.to_json())
         return
     render_plan(stderr_console(), plan)
+
+
+@app.command()
+@exits_on_error
+def verify(
+    model: ModelArg,
+    plan_file: Annotated[Path, typer.Option("--plan", metavar="PLAN.json", help="The plan to check.")],
+    steps: Annotated[int, typer.Option(min=1, help="Training steps to time each module over.")] = 3,
+    device: Annotated[Device, typer.Option(help="Where to run the steps.")] = Device.cpu,
+    json_output: JsonOpt = False,
+) -> None:
+    """Run real steps with and without PLAN.json: measured vs predicted peak, gradients, step time.
+
+    Exits 1 when the measured peak is over the plan's budget or the gradients differ."""
+    plan = load_plan(plan_file)
+    with load_model(model) as loaded:
+        result = ckptplan.verify(loaded.model, loaded.args, plan, loaded.kwargs, steps=steps, device=device.value)
+    if json_output:
+        _write_stdout(json.dumps(result.to_dict(), indent=2) + "\n")
+    else:
+        render_verification(stderr_console(), result)
+    if not result.within_budget or not result.gradients_equal:
+        raise typer.Exit(EXIT_ERROR)
 
 
 @app.command()

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from ckptplan.cli.summary import GroupRow, ProfileSummary
 from ckptplan.plan import Plan
+from ckptplan.planner.verify import Verification
 from ckptplan.units import describe_bytes, format_bytes, format_flops
 
 
@@ -129,3 +130,27 @@ def _group_table(title: str, key_header: str, rows: Sequence[GroupRow]) -> Table
             format_flops(row.bwd_flops),
         )
     return table
+
+
+def render_verification(console: Console, result: Verification) -> None:
+    """Predicted against measured peak, the gradient check and the step-time overhead."""
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    verdict = "within budget" if result.within_budget else "OVER BUDGET"
+    table.add_row("budget", describe_bytes(result.budget_bytes))
+    table.add_row("predicted", describe_bytes(result.predicted_peak_bytes))
+    table.add_row(
+        "measured",
+        f"{describe_bytes(result.measured_peak_bytes)} on {result.device} "
+        f"({result.prediction_error:+.2%} predicted vs measured), {verdict}",
+    )
+    table.add_row("original", f"{describe_bytes(result.original_peak_bytes)} without the plan")
+    grads = "equal" if result.gradients_equal else f"DIFFER (max abs error {result.max_grad_error:.3g})"
+    table.add_row("gradients", grads)
+    table.add_row(
+        "step time",
+        f"{result.emitted_step_seconds * 1e3:.1f} ms vs {result.original_step_seconds * 1e3:.1f} ms "
+        f"({result.step_overhead:+.1%})",
+    )
+    console.print(table)

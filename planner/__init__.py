@@ -2,7 +2,8 @@
 
 ``simulate`` (the referee: memory and recompute of any plan), ``make_plan`` (a plan from
 regions), ``emit`` (the FX rewrite that runs a plan), ``checkpoint`` / ``apply`` (one-call use),
-``measure_step`` (a real step's peak with MemTracker), and plan I/O.
+``measure_step`` (a real step's peak with MemTracker), ``verify`` (a plan against real steps),
+and plan I/O.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from ckptplan.planner.api import apply, checkpoint
 from ckptplan.planner.emit import CheckpointedModule, emit
 from ckptplan.planner.io import save_plan
 from ckptplan.planner.measure import Measurement, measure_step
+from ckptplan.planner.verify import Verification, verify
 from ckptplan.simulation import Event, Report, simulate
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "Measurement",
     "Plan",
     "Report",
+    "Verification",
     "apply",
     "checkpoint",
     "emit",
@@ -29,4 +32,5 @@ __all__ = [
     "measure_step",
     "save_plan",
     "simulate",
+    "verify",
 ]

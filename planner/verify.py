@@ -1,0 +1,154 @@
+"""Check a plan against reality: run real training steps of the model and of the emitted module,
+compare their gradients, measure both peaks and step times."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckptplan.errors import CkptPlanError
+from ckptplan.plan import Plan
+from ckptplan.planner.api import apply
+from ckptplan.planner.measure import measure_step
+from ckptplan.profiler.loss import training_loss
+
+
+@dataclass(frozen=True)
+class Verification:
+    """``within_budget``: the emitted module's measured peak is at most the plan's budget.
+    ``max_grad_error``: largest absolute difference between the two modules' gradients."""
+
+    device: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    original_peak_bytes: int
+    gradients_equal: bool
+    max_grad_error: float
+    original_step_seconds: float
+    emitted_step_seconds: float
+
+    @property
+    def within_budget(self) -> bool:
+        return self.measured_peak_bytes <= self.budget_bytes
+
+    @property
+    def prediction_error(self) -> float:
+        return (self.predicted_peak_bytes - self.measured_peak_bytes) / self.measured_peak_bytes
+
+    @property
+    def step_overhead(self) -> float:
+        return self.emitted_step_seconds / self.original_step_seconds - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "within_budget": self.within_budget,
+            "prediction_error": self.prediction_error,
+            "step_overhead": self.step_overhead,
+        }
+
+
+def verify(
+    model: nn.Module,
+    args: Any,
+    plan: Plan,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    steps: int = 3,
+    device: str = "cpu",
+) -> Verification:
+    """Apply ``plan`` to ``model`` and measure it (MemTracker on CPU; on CUDA the peak of
+    ``torch.cuda.max_memory_allocated`` above the memory resident before the step)."""
+    if steps < 1:
+        raise CkptPlanError("--steps must be at least 1.")
+    if device not in ("cpu", "cuda"):
+        raise CkptPlanError(f"Unknown device {device!r}; use 'cpu' or 'cuda'.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CkptPlanError("CUDA is not available on this machine; verify with --device cpu.")
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    kwargs = dict(kwargs or {})
+    if device == "cuda":
+        model = model.to(device)
+        args, kwargs = _to(args, device), _to(kwargs, device)
+    reference = copy.deepcopy(model)
+    emitted = apply(model, args, plan, kwargs)
+    grads_equal, error = _compare_gradients(reference, emitted, model, args, kwargs)
+    measured = _peak(emitted, args, kwargs, device)
+    original = _peak(reference, args, kwargs, device)
+    return Verification(
+        device=device,
+        budget_bytes=plan.budget.bytes,
+        predicted_peak_bytes=plan.prediction.peak_bytes,
+        measured_peak_bytes=measured,
+        original_peak_bytes=original,
+        gradients_equal=grads_equal,
+        max_grad_error=error,
+        original_step_seconds=_median_step_seconds(reference, args, kwargs, steps, device),
+        emitted_step_seconds=_median_step_seconds(emitted, args, kwargs, steps, device),
+    )
+
+
+def _to(value: Any, device: str) -> Any:
+    return torch.utils._pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+
+
+def _step(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    module.zero_grad(set_to_none=True)
+    training_loss(module(*args, **kwargs)).backward()
+
+
+def _compare_gradients(
+    reference: nn.Module, emitted: nn.Module, model: nn.Module, args: tuple, kwargs: dict
+) -> tuple[bool, float]:
+    for module in (reference, emitted):
+        torch.manual_seed(0)  # same dropout masks in both
+        _step(module, args, kwargs)
+    equal, worst = True, 0.0
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        if (p.grad is None) != (q.grad is None):
+            return False, float("inf")
+        if p.grad is None:
+            continue
+        worst = max(worst, float((p.grad - q.grad).abs().max()))
+        equal = equal and torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    return equal, worst
+
+
+def _peak(module: nn.Module, args: tuple, kwargs: dict, device: str) -> int:
+    if device == "cpu":
+        return measure_step(module, args, kwargs).peak_bytes
+    # CUDA: the step's own peak above whatever else is allocated, plus the module's state and
+    # inputs, which the plan's budget counts.
+    module.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _step(module, args, kwargs)
+    torch.cuda.synchronize()
+    tensors = [*module.parameters(), *module.buffers(), *_tensors((args, kwargs))]
+    own = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return torch.cuda.max_memory_allocated() - before + own
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _median_step_seconds(module: nn.Module, args: tuple, kwargs: dict, steps: int, device: str) -> float:
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        _step(module, args, kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

@@ -1,0 +1,80 @@
+"""``verify`` and ``ckptplan verify``: a plan checked against real training steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch  # noqa: F401  (import before CliRunner runs; see test_cli.py)
+from typer.testing import CliRunner
+
+import ckptplan
+from ckptplan.cli.main import app
+from ckptplan.errors import CkptPlanError, FingerprintMismatchError
+from tests import models
+
+MODEL = """
+import torch
+from tests import models
+
+def build():
+    torch.manual_seed(0)
+    return models.DropoutEverywhere(width=128, depth=6), (torch.randn(512, 128),)
+
+def other():
+    torch.manual_seed(0)
+    return models.mlp(depth=3), (torch.randn(8, 64),)
+"""
+
+
+def _solved(tmp_path: Path) -> tuple[Path, Path]:
+    model_file = tmp_path / "model.py"
+    model_file.write_text(MODEL)
+    plan_file = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["solve", str(model_file), "--budget", "0.8", "--out", str(plan_file)])
+    assert result.exit_code == 0, result.output
+    return model_file, plan_file
+
+
+def test_verify_measures_within_budget_with_equal_gradients() -> None:
+    torch.manual_seed(0)
+    model = models.DropoutEverywhere(width=128, depth=6)
+    args = (torch.randn(512, 128),)
+    plan = ckptplan.solve(ckptplan.profile(model, args), 0.8)
+    result = ckptplan.verify(model, args, plan, steps=1)
+    assert result.within_budget and result.gradients_equal and result.max_grad_error == 0.0
+    assert abs(result.prediction_error) <= 0.03
+    assert result.measured_peak_bytes < result.original_peak_bytes
+    assert result.original_step_seconds > 0 and result.emitted_step_seconds > 0
+
+
+def test_verify_rejects_bad_arguments() -> None:
+    model = models.mlp(depth=2)
+    args = (torch.randn(8, 64),)
+    plan = ckptplan.make_plan(ckptplan.profile(model, args), [])
+    with pytest.raises(CkptPlanError, match="steps"):
+        ckptplan.verify(model, args, plan, steps=0)
+    with pytest.raises(CkptPlanError, match="device"):
+        ckptplan.verify(model, args, plan, device="tpu")
+    with pytest.raises(FingerprintMismatchError):
+        ckptplan.verify(models.mlp(depth=3), args, plan)
+
+
+def test_cli_verify_reports_and_exits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))
+    model_file, plan_file = _solved(tmp_path)
+    runner = CliRunner()
+    result = runner.invoke(app, ["verify", str(model_file), "--plan", str(plan_file), "--steps", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["within_budget"] and report["gradients_equal"]
+    assert report["measured_peak_bytes"] <= report["budget_bytes"]
+    human = runner.invoke(app, ["verify", str(model_file), "--plan", str(plan_file), "--steps", "1"])
+    assert human.exit_code == 0 and "within budget" in human.stderr and "Traceback" not in human.output
+    wrong_model = runner.invoke(app, ["verify", f"{model_file}:other", "--plan", str(plan_file)])
+    assert wrong_model.exit_code == 1 and "fingerprint" in wrong_model.stderr
+    assert "Traceback" not in wrong_model.output
+    if not torch.cuda.is_available():
+        no_gpu = runner.invoke(app, ["verify", str(model_file), "--plan", str(plan_file), "--device", "cuda"])
+        assert no_gpu.exit_code == 1 and "CUDA is not available" in no_gpu.stderr
