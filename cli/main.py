@@ -7,6 +7,7 @@ works. Library errors become exit codes in ``ckptplan.cli.exits`` and nowhere el
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from enum import Enum
@@ -115,13 +116,14 @@ def solve(
     check_budget(budget)
     if out is not None:
         check_plan_target(out, overwrite=force)
-    with load_model(model) as loaded:
+    with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
         log.info("profiling %s", loaded.source)
         graph = ckptplan.profile(
             loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=_optimizer_name(optimizer)
         )
     log.info("solving %s (%d nodes) with %s", graph.name, len(graph.nodes), solver)
-    plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit)
+    with _progress(f"solving {graph.name} ({len(graph.nodes)} nodes) with {solver}"):
+        plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit)
     if out is not None:
         save_plan(plan, out, overwrite=force)
     if json_output:
@@ -207,6 +209,12 @@ def _configure_logging(verbose: bool) -> None:
     logger.setLevel(logging.INFO)
     if not any(isinstance(handler, RichHandler) for handler in logger.handlers):
         logger.addHandler(RichHandler(console=stderr_console(), show_time=False, show_path=False))
+
+
+def _progress(message: str) -> contextlib.AbstractContextManager:
+    """A spinner on stderr while ``message`` runs, when stderr is a terminal."""
+    console = stderr_console()
+    return console.status(message) if console.is_terminal else contextlib.nullcontext()
 
 
 def _optimizer_name(optimizer: Optimizer | None) -> str | None:
