@@ -136,23 +136,32 @@ class ChainDP:
         # Option 2: a child region [k, d] holds only its input and recomputes itself later.
         rin_s = self._in(k) if not ihs else 0
         rin_b = self._in(k) if not ihb else 0
+        # Children that end before the frame does run forward inside it; in a region's recompute,
+        # a child ending with it is where early stop ends the recompute, so its forward is skipped.
+        last_run = b - 1 if region else b
         peak_none = 0
-        for d in range(k, b + 1):
-            if first and d == b:
-                break
+        for d in range(k, last_run + 1):
             peak_none = max(peak_none, (self.X[d - 1] if d > k else 0) + self.f_none[d])
-            stops_here = region and d == b
-            sweep = ms + ctx + rin_s + (0 if stops_here else peak_none)
-            if sweep > budget:
-                continue
-            sweep_cost = 0.0 if stops_here or not region else self.prefix_cost[d + 1] - self.prefix_cost[k]
-            rest, plan = self.suffix(d + 1, b, region, ms + rin_s, mb + rin_b, False, False)
-            if rest == INF:
-                continue
-            child, inner = self.frame(k, d, not region, mb, rin_b, ihb)
-            total = sweep_cost + rest + child
-            if total < best[0]:
-                best = (total, (("region", k, d, inner), *plan))
+            if ms + ctx + rin_s + peak_none > budget:
+                break  # a longer child's forward only needs more
+            sweep_cost = self.prefix_cost[d + 1] - self.prefix_cost[k] if region else 0.0
+            best = self._with_child(best, k, d, b, region, ms, mb, rin_s, rin_b, ihb, sweep_cost)
+        if region and not first and ms + ctx + rin_s <= budget:
+            best = self._with_child(best, k, b, b, region, ms, mb, rin_s, rin_b, ihb, 0.0)
+        return best
+
+    def _with_child(
+        self, best: tuple[float, tuple], k: int, d: int, b: int, region: bool, ms: int, mb: int,
+        rin_s: int, rin_b: int, ihb: bool, sweep_cost: float,
+    ) -> tuple[float, tuple]:
+        """``best`` or, if cheaper, child region [k, d] followed by the rest of the frame."""
+        rest, plan = self.suffix(d + 1, b, region, ms + rin_s, mb + rin_b, False, False)
+        if rest == INF:
+            return best
+        child, inner = self.frame(k, d, not region, mb, rin_b, ihb)
+        total = sweep_cost + rest + child
+        if total < best[0]:
+            return total, (("region", k, d, inner), *plan)
         return best
 
     def frame(self, k: int, d: int, top_level: bool, mb: int, rin: int, ih: bool) -> tuple[float, tuple]:
