@@ -20,10 +20,13 @@ from rich.logging import RichHandler
 import ckptplan
 from ckptplan.cli.exits import EXIT_ERROR, exits_on_error
 from ckptplan.cli.loader import load_model
-from ckptplan.cli.render import render_plan, render_profile, render_verification, stderr_console
+from ckptplan.cli.render import render_plan, render_profile, render_sweep, render_verification, stderr_console
 from ckptplan.cli.summary import summarize
 from ckptplan.plan import load_plan, plan_json_schema
+from ckptplan.errors import BudgetError
 from ckptplan.planner.io import check_plan_target, save_plan
+from ckptplan.planner.sweep import check_plotting, plot_pareto
+from ckptplan.planner.sweep import sweep as run_sweep
 from ckptplan.solvers import available_solvers
 from ckptplan.solvers.registry import get_solver
 from ckptplan.units import check_budget
@@ -191,6 +194,45 @@ def verify(
         render_verification(stderr_console(), result)
     if not result.within_budget or not result.gradients_equal:
         raise typer.Exit(EXIT_ERROR)
+
+
+@app.command()
+@exits_on_error
+def sweep(
+    model: ModelArg,
+    budgets: Annotated[
+        str, typer.Option(help="Comma-separated budgets, e.g. '0.9,0.7,0.5,0.3' or '8GB,6GB'.")
+    ] = "0.9,0.7,0.5,0.3",
+    solver: Annotated[str, typer.Option(help=f"Solver name: {', '.join(available_solvers())}.")] = "auto",
+    plot: Annotated[Path | None, typer.Option(help="Draw the trade-off as a PNG here.", show_default=False)] = None,
+    json_output: JsonOpt = False,
+    trace: TraceOpt = TraceMode.export,
+    optimizer: OptimizerOpt = None,
+) -> None:
+    """Solve at several budgets and show the memory/recompute trade-off."""
+    get_solver(solver)
+    requested = [b.strip() for b in budgets.split(",") if b.strip()]
+    if not requested:
+        raise BudgetError("--budgets lists no budget; write e.g. '0.9,0.7,0.5'.")
+    for budget in requested:
+        check_budget(budget)
+    if plot is not None:
+        check_plotting()
+        check_plan_target(plot, overwrite=True)
+    with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
+        graph = ckptplan.profile(
+            loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=_optimizer_name(optimizer)
+        )
+    with _progress(f"solving {graph.name} at {len(requested)} budgets"):
+        points = run_sweep(graph, requested, solver=solver)
+    if plot is not None:
+        plot_pareto(points, plot, f"{graph.name}: peak memory vs recompute")
+    if json_output:
+        _write_stdout(json.dumps([p.to_dict() for p in points], indent=2) + "\n")
+        return
+    render_sweep(stderr_console(), graph.baseline_peak_bytes, points)
+    if plot is not None:
+        stderr_console().print(f"Wrote the plot to {plot}", markup=False, soft_wrap=True)
 
 
 @app.command()

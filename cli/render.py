@@ -13,6 +13,7 @@ from rich.text import Text
 
 from ckptplan.cli.summary import GroupRow, ProfileSummary
 from ckptplan.plan import Plan
+from ckptplan.planner.sweep import SweepPoint
 from ckptplan.planner.verify import Verification
 from ckptplan.units import describe_bytes, format_bytes, format_flops
 
@@ -153,4 +154,21 @@ def render_verification(console: Console, result: Verification) -> None:
         f"{result.emitted_step_seconds * 1e3:.1f} ms vs {result.original_step_seconds * 1e3:.1f} ms "
         f"({result.step_overhead:+.1%})",
     )
+    console.print(table)
+
+
+def render_sweep(console: Console, baseline_peak_bytes: int, points: Sequence[SweepPoint]) -> None:
+    """One row per budget: what the plan reaches and what it costs."""
+    table = Table(title=f"trade-off (no checkpointing: {format_bytes(baseline_peak_bytes)})")
+    for column in ("budget", "bytes", "solver", "predicted peak", "recompute", "overhead"):
+        table.add_column(column, justify="right" if column not in ("budget", "solver") else "left")
+    for p in points:
+        if p.peak_bytes is None:
+            least = f"least {format_bytes(p.least_peak_bytes)}" if p.least_peak_bytes else ""
+            table.add_row(p.requested, format_bytes(p.budget_bytes), p.solver, "infeasible", least, "")
+        else:
+            table.add_row(
+                p.requested, format_bytes(p.budget_bytes), p.solver, format_bytes(p.peak_bytes),
+                format_flops(p.recompute_flops), f"{100 * p.overhead:.1f}%",
+            )
     console.print(table)
