@@ -9,6 +9,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ckptplan
 from ckptplan import Region
@@ -55,10 +57,14 @@ def random_chain(rng: random.Random, n: int):
     return chain_graph(sizes, saves_output=rng.random() < 0.3, param_bytes=rng.choice([8, 64]))
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_dp_matches_exhaustive_nested_search(seed: int) -> None:
-    rng = random.Random(seed)
-    graph = random_chain(rng, rng.randint(2, 5))
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([16, 32, 48, 64, 100, 128, 256]), min_size=1, max_size=5),
+    saves_output=st.booleans(),
+    param_bytes=st.sampled_from([8, 64]),
+)
+def test_dp_matches_exhaustive_nested_search(sizes: list[int], saves_output: bool, param_bytes: int) -> None:
+    graph = chain_graph(sizes, saves_output=saves_output, param_bytes=param_bytes)
     reports = [(simulate(graph, plan), plan) for plan in set(nested_plans(0, len(graph.nodes)))]
     chain = build_chain(graph)
     assert len(chain) == len(graph.nodes), "a pure chain keeps one stage per node"
