@@ -88,3 +88,34 @@ def test_transformers_gpt2_prediction_and_gradients() -> None:
     assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
     measured = ckptplan.measure_step(emitted, (ids,), kwargs).peak_bytes
     _assert_close(plan.prediction.peak_bytes, measured, "GPT-2")
+
+
+def _transformers_case(name: str):
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (4, 32))
+    if name == "bert":
+        config = tf.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=128, max_position_embeddings=64)
+        return tf.BertForSequenceClassification(config), (ids,), {"labels": torch.randint(0, 2, (4,))}
+    if name == "llama":
+        config = tf.LlamaConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                                use_cache=False)
+        return tf.LlamaForCausalLM(config), (ids,), {"labels": ids}
+    config = tf.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=128, num_labels=3)
+    return tf.ViTForImageClassification(config), (torch.randn(4, 3, 32, 32),), {"labels": torch.randint(0, 3, (4,))}
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "vit"])
+def test_transformers_models_from_configs(name: str) -> None:
+    """BERT, a Llama-style decoder and ViT built from small configs: output types, gradients and
+    measured peak under a solved plan."""
+    model, args, kwargs = _transformers_case(name)
+    graph = ckptplan.profile(model, args, kwargs)
+    plan = ckptplan.solve(graph, 0.9)
+    result = ckptplan.verify(model, args, plan, kwargs, steps=1)
+    assert result.gradients_equal, f"max gradient error {result.max_grad_error}"
+    assert result.within_budget
+    _assert_close(plan.prediction.peak_bytes, result.measured_peak_bytes, name)
