@@ -48,6 +48,30 @@ def render_plan(console: Console, plan: Plan) -> None:
     )
     console.print(_facts(rows))
     console.print(_regions_table(plan))
+    if plan.regions and plan.nodes:
+        console.print(_modules_table(plan))
+
+
+MODULE_DEPTH = 2  # group "blocks.3.attn.proj" under "blocks.3"
+
+
+def _modules_table(plan: Plan) -> Table:
+    """Per module (paths cut to ``MODULE_DEPTH`` parts), in execution order: how many of its ops
+    are stored, recomputed or kept, and the bytes they would save for backward."""
+    rows: dict[str, dict[str, int]] = {}
+    for node in plan.nodes:
+        module = ".".join(node.module.split(".")[:MODULE_DEPTH]) or "(top level)"
+        row = rows.setdefault(module, {"store": 0, "recompute": 0, "keep": 0, "saved": 0})
+        row[node.decision] += 1
+        row["saved"] += node.saved_bytes
+    table = Table(title="by module", title_justify="left")
+    table.add_column("module", overflow="fold")
+    for header in ("stored", "recomputed", "kept", "saved bytes"):
+        table.add_column(header, justify="right")
+    for module, row in rows.items():
+        table.add_row(Text(module), str(row["store"]), str(row["recompute"]), str(row["keep"]),
+                      format_bytes(row["saved"]))
+    return table
 
 
 def _facts(rows: Sequence[tuple[str, str]]) -> Table:

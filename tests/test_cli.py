@@ -273,6 +273,9 @@ def test_show_renders_saved_plan(plan_file: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "checkpoint regions" in result.stderr
     assert "Sequential" in result.stderr
+    plan = ckptplan.load_plan(plan_file)
+    assert "by module" in result.stderr and "recomputed" in result.stderr
+    assert sum(n.decision == "recompute" for n in plan.nodes) > 0
 
 
 def test_show_json_round_trips(plan_file: Path) -> None:
