@@ -121,14 +121,10 @@ class _Memory:
             self.live_bytes -= self._sizes.pop(key)
 
     def release_token(self, token: _Token) -> None:
-        for key in sorted(self._keys_of_token.pop(token, ())):
-            holders = self._holders.get(key)
-            if holders is None:
-                continue
-            holders.discard(token)
-            if not holders:
-                del self._holders[key]
-                self.live_bytes -= self._sizes.pop(key)
+        """Release every storage ``token`` holds."""
+        for key in sorted(self._keys_of_token.get(token, ())):
+            self.release(key, token)
+        self._keys_of_token.pop(token, None)
 
     def observe(self, phase: Phase, node: int, extra_bytes: int = 0) -> None:
         event = Event(phase, node, self.live_bytes + extra_bytes)
