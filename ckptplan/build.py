@@ -89,3 +89,17 @@ def _decisions(graph: ComputeGraph, regions: tuple[Region, ...]) -> tuple[NodeDe
         )
         for node in graph.nodes
     )
+
+
+def solver_plan(
+    graph: ComputeGraph,
+    regions: Sequence[Region],
+    budget_bytes: int,
+    solver: SolverInfo,
+    report: Report | None = None,
+) -> Plan:
+    """``make_plan`` as a solver returns it: the budget recorded in bytes (``solve`` later
+    records how the user wrote it)."""
+    return make_plan(
+        graph, regions, budget=BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes), solver=solver, report=report
+    )

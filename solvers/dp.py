@@ -40,10 +40,10 @@ import math
 import sys
 import time
 
-from ckptplan.build import make_plan
+from ckptplan.build import solver_plan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import BudgetInfo, Plan, Region, SolverInfo
+from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import simulate
 from ckptplan.solvers.chain import Chain, build_chain
 from ckptplan.solvers.registry import register
@@ -222,11 +222,11 @@ def solve_dp(
     started = time.perf_counter()
     chain = build_chain(graph)
     if budget_bytes >= graph.baseline_peak_bytes:  # storing everything is free and fits
-        return make_plan(
+        return solver_plan(
             graph,
             (),
-            budget=BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes),
-            solver=SolverInfo(name="dp", status="optimal", seconds=time.perf_counter() - started, gap=0.0,
+            budget_bytes,
+            SolverInfo(name="dp", status="optimal", seconds=time.perf_counter() - started, gap=0.0,
                               note="the budget holds the step without checkpointing"),
         )
     target, repaired = budget_bytes, 0
@@ -252,11 +252,11 @@ def solve_dp(
         note += "; nodes merged into stages (skip connections or the stage limit): optimal for that stage chain"
     if repaired:
         note += f"; re-solved {repaired} time(s) below the budget where merged stages were underestimated"
-    return make_plan(
+    return solver_plan(
         graph,
         regions,
-        budget=BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes),
-        solver=SolverInfo(
+        budget_bytes,
+        SolverInfo(
             name="dp",
             status="feasible" if repaired else "optimal",
             seconds=time.perf_counter() - started,

@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 import time
 
-from ckptplan.build import make_plan
+from ckptplan.build import solver_plan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import BudgetInfo, Plan, Region, SolverInfo
+from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.registry import register
 from ckptplan.units import describe_bytes
@@ -92,11 +92,11 @@ def solve_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         )
     _, _, regions, report = best
     segments = len(regions)
-    return make_plan(
+    return solver_plan(
         graph,
         regions,
-        budget=BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes),
-        solver=SolverInfo(
+        budget_bytes,
+        SolverInfo(
             name="sqrt",
             status="feasible",
             seconds=time.perf_counter() - started,
