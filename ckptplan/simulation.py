@@ -178,7 +178,7 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
                     f"Node {name!r} cannot be kept: it draws random numbers, and recomputation must "
                     "replay the random stream op by op."
                 )
-            writer = _later_inplace_writer(graph, index)
+            writer = later_inplace_writer(graph, index)
             if writer is not None:
                 raise PlanFormatError(
                     f"Node {name!r} cannot be kept: {writer!r} later modifies its output in place, "
@@ -204,7 +204,7 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
     return tops
 
 
-def _later_inplace_writer(graph: ComputeGraph, index: int) -> str | None:
+def later_inplace_writer(graph: ComputeGraph, index: int) -> str | None:
     """Name of a later in-place node writing into node ``index``'s output storage, if any."""
     outputs = set(graph.nodes[index].outputs)
     for node in graph.nodes[index + 1:]:

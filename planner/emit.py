@@ -41,6 +41,10 @@ def _recompute_scope() -> Iterator[None]:
         yield
     finally:
         _STATE.recompute_depth -= 1
+        # Early stop ends a recompute with an exception, possibly inside a kept node, after
+        # ``_keep_begin`` and before ``_keep_end``: without this the next step's forward would
+        # save every op of that region.
+        _STATE.keep_owner = None
 
 
 def _keep_begin(region_id: int) -> None:
@@ -104,7 +108,10 @@ class CheckpointRegion(nn.Module):
         self.keep = keep
 
     def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if getattr(_STATE, "keep_owner", None) == self.region_id:
+        # Views are recomputed even inside a kept node: a cached view would hold its base alive
+        # (``aten.linear`` on a 3-D input views the input before its matmul), which the memory
+        # model, counting storages the node allocates, does not expect.
+        if getattr(_STATE, "keep_owner", None) == self.region_id and not getattr(op, "is_view", False):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

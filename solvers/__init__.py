@@ -5,44 +5,65 @@ simulator."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import BudgetInfo, Plan
 from ckptplan.simulation import simulate
 from ckptplan.solvers import dp as _dp  # noqa: F401  (registers "dp")
+from ckptplan.solvers import ilp as _ilp  # registers "ilp"; auto calls it with warm starts
 from ckptplan.solvers import sqrt as _sqrt  # noqa: F401  (registers "sqrt")
 from ckptplan.solvers.registry import available_solvers, get_solver, register
 from ckptplan.units import describe_bytes, parse_budget
 
 __all__ = ["available_solvers", "register", "solve"]
 
+AUTO_ILP_MAX_NODES = 400  # beyond this the ilp model takes long to build; dp and sqrt decide
+AUTO_ILP_SECONDS = 20.0  # auto's default time limit for the ilp search
+
 
 @register("auto")
 def solve_auto(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None) -> Plan:
-    """Run every other registered solver and keep the cheapest plan the simulator confirms."""
+    """Run the solvers that suit the graph and keep the cheapest plan the simulator confirms.
+
+    ``sqrt`` and ``dp`` always run (they take seconds at most). ``ilp`` runs on graphs of up to
+    ``AUTO_ILP_MAX_NODES`` nodes, started from their plans and limited to ``time_limit`` seconds
+    (default ``AUTO_ILP_SECONDS``), so it can only improve on them. Solvers registered by users
+    run too. The plan records which solver won and what was skipped.
+    """
     started = time.perf_counter()
-    best: Plan | None = None
+    plans: list[Plan] = []
     least_peak: int | None = None
-    for name in available_solvers():
-        if name == "auto":
-            continue
+    skipped: list[str] = []
+
+    def attempt(run: Callable[[], Plan]) -> None:
+        nonlocal least_peak
         try:
-            plan = get_solver(name)(graph, budget_bytes, time_limit=time_limit)
+            plans.append(run())
         except InfeasibleBudgetError as exc:
             least_peak = exc.min_peak_bytes if least_peak is None else min(least_peak, exc.min_peak_bytes)
+
+    for name in available_solvers():
+        if name in ("auto", "ilp"):
             continue
-        key = (plan.prediction.recompute_seconds, plan.prediction.peak_bytes)
-        if best is None or key < (best.prediction.recompute_seconds, best.prediction.peak_bytes):
-            best = plan
-    if best is None:
+        attempt(lambda name=name: get_solver(name)(graph, budget_bytes, time_limit=time_limit))
+    if len(graph.nodes) <= AUTO_ILP_MAX_NODES:
+        limit = AUTO_ILP_SECONDS if time_limit is None else max(1.0, time_limit - (time.perf_counter() - started))
+        warm = [p for p in plans if p.solver.name in _ilp.WARM_SOLVERS]
+        attempt(lambda: _ilp.solve_ilp(graph, budget_bytes, time_limit=limit, warm=warm))
+    else:
+        skipped.append(f"ilp skipped: {len(graph.nodes)} nodes > {AUTO_ILP_MAX_NODES}")
+    if not plans:
         raise InfeasibleBudgetError(
             f"No solver fits the budget of {describe_bytes(budget_bytes)}; the least peak any reaches is "
             f"{describe_bytes(least_peak or 0)}. Raise the budget.",
             budget_bytes=budget_bytes,
             min_peak_bytes=least_peak or 0,
         )
-    note = f"auto chose {best.solver.name}: cheapest plan within budget. {best.solver.note}".strip()
+    best = min(plans, key=lambda p: (p.prediction.recompute_seconds, p.prediction.peak_bytes))
+    why = "; ".join(["cheapest plan within budget", *skipped])
+    note = f"auto chose {best.solver.name}: {why}. {best.solver.note}".strip()
     return best.model_copy(
         update={"solver": best.solver.model_copy(update={"note": note, "seconds": time.perf_counter() - started})}
     )

@@ -199,3 +199,20 @@ def test_checkpoint_one_call_and_apply_refuses_foreign_plan() -> None:
         ckptplan.apply(model, (torch.randn(128, 64),), plan)
     with pytest.raises(ckptplan.FingerprintMismatchError):
         ckptplan.apply(models.mlp(depth=11), args, plan)
+
+
+def test_a_recompute_stopping_inside_a_kept_node_leaves_the_next_step_alone() -> None:
+    # Early stop fires at the region's last saved tensor: here the kept linear's input, packed
+    # inside the kept node. The next step (and any other emitted module) must still save only
+    # the kept node, so every step's measured peak is the predicted one.
+    torch.manual_seed(0)
+    model = models.mlp(depth=6, width=256)
+    args = (torch.randn(512, 256),)
+    graph = ckptplan.profile(model, args)
+    kept = graph.nodes[2]
+    assert kept.op == "aten.linear.default"
+    plan = ckptplan.make_plan(graph, [Region(0, 3, keep=(kept.name,))])
+    emitted = ckptplan.emit(graph, plan)
+    peaks = [ckptplan.measure_step(emitted, args).peak_bytes for _ in range(3)]
+    assert peaks == [peaks[0]] * 3
+    assert abs(peaks[0] - plan.prediction.peak_bytes) <= 64

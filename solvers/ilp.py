@@ -1,0 +1,274 @@
+"""Solver ``ilp``: the cheapest one-level plan with per-node keep-sets, by CP-SAT (OR-Tools).
+
+Three steps, kept apart: ``build_model`` (``solvers.ilp_model``) states the plan space and the
+simulator's memory as constraints; ``run_cp_sat`` solves it under a time limit; ``extract_regions``
+reads the plan back. The ``sqrt`` and ``dp`` plans warm-start the search (as hints when they are
+one-level) and stay candidates: a time-limited solve never returns anything worse than them.
+Every plan is re-simulated; should the simulator disagree with the model (a bug), the plan is
+cut off and the model solved again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from ckptplan.build import solver_plan
+from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
+from ckptplan.graph import ComputeGraph
+from ckptplan.plan import Plan, Region, SolverInfo
+from ckptplan.simulation import simulate
+from ckptplan.solvers.ilp_model import IlpVars, build_model
+from ckptplan.solvers.registry import get_solver, register
+from ckptplan.units import describe_bytes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIME_LIMIT = 60.0  # seconds, when the caller gives none
+MAX_CUTS = 5  # re-solves after a simulator disagreement before giving up on the model's plan
+WARM_SOLVERS = ("dp", "sqrt")
+# CP-SAT's deterministic clock ran at 0.4-0.6 of wall time on the examples here (2 cores); a
+# limit of 0.6 of the time left usually stops the search on that clock, before the wall clock.
+DETERMINISTIC_SECONDS_PER_SECOND = 0.6
+
+
+@dataclass(frozen=True)
+class CpResult:
+    """What one CP-SAT run found: ``regions`` is None when it found no plan."""
+
+    status: str
+    regions: tuple[Region, ...] | None
+    objective: float
+    bound: float
+    seconds: float
+
+
+def extract_regions(graph: ComputeGraph, v: IlpVars, value) -> tuple[Region, ...]:
+    """Regions from the decision values (``value(var) -> int``), in execution order."""
+    regions: list[Region] = []
+    n = len(graph.nodes)
+    t = 0
+    while t < n:
+        if not value(v.rec[t]):
+            t += 1
+            continue
+        end = t + 1
+        while end < n and value(v.rec[end]) and not value(v.start[end]):
+            end += 1
+        keep = tuple(graph.nodes[j].name for j in range(t, end) if j in v.keep and value(v.keep[j]))
+        regions.append(Region(t, end, keep=keep))
+        t = end
+    return tuple(regions)
+
+
+def _fix(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...], *, hint: bool) -> None:
+    """Hint (or force) the decisions of a one-level plan."""
+    n = len(graph.nodes)
+    rec, start, keep = [0] * n, [0] * n, [0] * n
+    for region in regions:
+        start[region.start] = 1
+        for i in range(region.start, region.end):
+            rec[i] = 1
+        for name in region.keep:
+            keep[graph.index_of[name]] = 1
+    for t in range(n):
+        pairs = [(v.rec[t], rec[t]), (v.start[t], start[t])]
+        if t in v.keep:
+            pairs.append((v.keep[t], keep[t]))
+        elif keep[t]:
+            raise CkptPlanError(f"node {graph.nodes[t].name!r} cannot be kept")
+        for var, value in pairs:
+            if hint:
+                model.AddHint(var, value)
+            else:
+                model.Add(var == value)
+
+
+def _hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...]) -> None:
+    """Hint every variable, not just the decisions: a copy of the model with the plan fixed
+    is solved for the values of the derived variables (CP-SAT repairs partial hints slowly)."""
+    fixed = model.Clone()
+    _fix(fixed, graph, v, regions, hint=False)
+    fixed.ClearObjective()
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_time_in_seconds = 10.0
+    if solver.Solve(fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        _fix(model, graph, v, regions, hint=True)
+        return
+    for index in range(len(model.Proto().variables)):
+        var = model.GetIntVarFromProtoIndex(index)
+        model.AddHint(var, solver.Value(fixed.GetIntVarFromProtoIndex(index)))
+
+
+def _exclude(model: cp_model.CpModel, v: IlpVars, solver: cp_model.CpSolver) -> None:
+    """Cut off exactly the decisions ``solver`` last found."""
+    literals = []
+    for var in [*v.rec, *v.start, *v.keep.values()]:
+        literals.append(var.Not() if solver.Value(var) else var)
+    model.AddBoolOr(literals)
+
+
+def _configure(solver: cp_model.CpSolver, *, remaining: float, workers: int, seed: int) -> None:
+    """Time limits and search parameters. One worker stopped by CP-SAT's deterministic clock
+    (``DETERMINISTIC_SECONDS_PER_SECOND`` of the time left) finds the same plan on every run; the
+    wall-clock limit only backs it up. More workers search better but not reproducibly."""
+    remaining = max(0.1, remaining)
+    solver.parameters.max_time_in_seconds = remaining
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = seed
+    if workers == 1:
+        solver.parameters.max_deterministic_time = remaining * DETERMINISTIC_SECONDS_PER_SECOND
+
+
+def run_cp_sat(
+    model: cp_model.CpModel,
+    graph: ComputeGraph,
+    v: IlpVars,
+    *,
+    time_limit: float,
+    workers: int,
+    seed: int,
+    budget_bytes: int,
+) -> CpResult:
+    """Solve, re-simulate, and cut off plans the simulator rejects (at most ``MAX_CUTS``)."""
+    started = time.perf_counter()
+    for _ in range(MAX_CUTS + 1):
+        solver = cp_model.CpSolver()
+        _configure(solver, remaining=time_limit - (time.perf_counter() - started), workers=workers, seed=seed)
+        code = solver.Solve(model)
+        name = solver.StatusName(code)
+        if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return CpResult(name, None, float("inf"), solver.BestObjectiveBound(), time.perf_counter() - started)
+        regions = extract_regions(graph, v, solver.Value)
+        peak = simulate(graph, regions).peak_bytes
+        if peak <= budget_bytes:
+            return CpResult(
+                name, regions, solver.ObjectiveValue(), solver.BestObjectiveBound(), time.perf_counter() - started
+            )
+        log.warning("ilp model and simulator disagree on %s (%d > %d bytes); cutting it off", regions, peak, budget_bytes)
+        _exclude(model, v, solver)
+    return CpResult("UNKNOWN", None, float("inf"), 0.0, time.perf_counter() - started)
+
+
+def model_peak(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None) -> int:
+    """The least peak the model allows for one fixed one-level plan (tests compare it with
+    ``simulate``: they must agree)."""
+    model, v = build_model(graph, None, window=window)
+    _fix(model, graph, v, tuple(regions), hint=False)
+    model.Minimize(v.peak)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    code = solver.Solve(model)
+    if code != cp_model.OPTIMAL:
+        raise CkptPlanError(f"the ilp model has no value for this plan ({solver.StatusName(code)})")
+    return int(solver.Value(v.peak))
+
+
+def least_peak(graph: ComputeGraph, *, time_limit: float, workers: int, seed: int, window: int | None) -> int:
+    """The least peak any one-level plan with keep-sets reaches (a lower bound when time runs out)."""
+    model, v = build_model(graph, None, window=window)
+    model.Minimize(v.peak)
+    solver = cp_model.CpSolver()
+    _configure(solver, remaining=time_limit, workers=workers, seed=seed)
+    code = solver.Solve(model)
+    if code == cp_model.OPTIMAL:
+        return int(solver.Value(v.peak))
+    return int(solver.BestObjectiveBound())
+
+
+def _warm_plans(graph: ComputeGraph, budget_bytes: int, time_limit: float) -> list[Plan]:
+    plans = []
+    for name in WARM_SOLVERS:
+        try:
+            plans.append(get_solver(name)(graph, budget_bytes, time_limit=time_limit))
+        except InfeasibleBudgetError:
+            continue
+    return plans
+
+
+@register("ilp")
+def solve_ilp(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    *,
+    time_limit: float | None = None,
+    workers: int = 1,
+    seed: int = 0,
+    window: int | None = None,
+    warm: Sequence[Plan] | None = None,
+) -> Plan:
+    """The least-recompute one-level plan with keep-sets whose simulated peak fits ``budget_bytes``.
+
+    ``time_limit`` (seconds, default ``DEFAULT_TIME_LIMIT``) bounds the CP-SAT search. With
+    ``workers=1`` (the default) and a fixed ``seed`` the search is reproducible (see
+    ``_configure``); more workers usually find cheaper plans in the same time. Status:
+    ``optimal`` (proven for this plan space), ``feasible`` with the proven relative gap, or
+    ``timeout`` when the search found nothing better than the warm-start plan it returns.
+    ``window`` bounds the nodes per region (see ``build_model``). ``warm``: plans to start from
+    (default: those of ``WARM_SOLVERS``), returned instead when cheaper.
+    """
+    started = time.perf_counter()
+    limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    if budget_bytes >= graph.baseline_peak_bytes:
+        return solver_plan(
+            graph, (), budget_bytes,
+            SolverInfo(name="ilp", status="optimal", seconds=time.perf_counter() - started, gap=0.0,
+                       note="the budget holds the step without checkpointing"),
+        )
+    warm = list(warm) if warm is not None else _warm_plans(graph, budget_bytes, limit)
+    model, v = build_model(graph, budget_bytes, window=window)
+    model.Minimize(v.cost)
+    one_level = [p for p in warm if all(not r.children for r in p.regions)]
+    if one_level:
+        best_hint = min(one_level, key=lambda p: p.prediction.recompute_seconds)
+        _hint_complete(model, graph, v, best_hint.regions)
+    remaining = max(0.1, limit - (time.perf_counter() - started))
+    result = run_cp_sat(model, graph, v, time_limit=remaining, workers=workers, seed=seed, budget_bytes=budget_bytes)
+    size = f"{len(graph.nodes)} nodes, {v.counts['variables']} variables, {v.counts['constraints']} constraints"
+    if v.window < len(graph.nodes):
+        size += f", regions of at most {v.window} nodes"
+    if result.regions is None:
+        if result.status == "INFEASIBLE":
+            least = least_peak(graph, time_limit=remaining, workers=workers, seed=seed, window=window)
+            raise InfeasibleBudgetError(
+                f"Budget {describe_bytes(budget_bytes)} is below the least peak one-level plans with keep-sets "
+                f"reach, {describe_bytes(least)}; raise the budget or try --solver dp (nested regions).",
+                budget_bytes=budget_bytes,
+                min_peak_bytes=max(least, budget_bytes + 1),
+            )
+        if not warm:
+            raise InfeasibleBudgetError(
+                f"The ilp solver found no plan within {describe_bytes(budget_bytes)} in {limit:g} s; "
+                "raise the time limit or the budget.",
+                budget_bytes=budget_bytes,
+                min_peak_bytes=budget_bytes + 1,
+            )
+        fallback = min(warm, key=lambda p: p.prediction.recompute_seconds)
+        note = f"no ilp plan within {limit:g} s ({size}); returning the {fallback.solver.name} plan"
+        return fallback.model_copy(update={"solver": SolverInfo(
+            name="ilp", status="timeout", seconds=time.perf_counter() - started, note=note)})
+    plan = solver_plan(graph, result.regions, budget_bytes, SolverInfo(name="ilp", status="feasible", seconds=0.0))
+    better_warm = [p for p in warm if p.prediction.recompute_seconds < plan.prediction.recompute_seconds]
+    if better_warm:
+        # Only a nested dp plan can beat the optimum of the one-level space, or a stopped search.
+        best = min(better_warm, key=lambda p: p.prediction.recompute_seconds)
+        note = f"the {best.solver.name} plan is cheaper than the best one-level plan found ({size})"
+        return best.model_copy(update={"solver": SolverInfo(
+            name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note)})
+    proven = result.status == "OPTIMAL"
+    gap = 0.0 if proven else _gap(result)
+    note = f"one-level regions with keep-sets, {size}"
+    return plan.model_copy(update={"solver": SolverInfo(
+        name="ilp", status="optimal" if proven else "feasible", seconds=time.perf_counter() - started,
+        gap=gap, note=note)})
+
+
+def _gap(result: CpResult) -> float | None:
+    if result.objective <= 0:
+        return 0.0
+    return max(0.0, (result.objective - result.bound) / result.objective)

@@ -1,0 +1,571 @@
+"""The CP-SAT model behind solver ``ilp``: one-level checkpoint regions with per-node keep-sets.
+
+The plan space is what ``planner.emit`` runs: disjoint regions over the execution order (edges
+only at ``graph.boundaries``), each recomputed by non-reentrant ``checkpoint``, and inside them
+nodes whose outputs a selective policy keeps. Nesting is left to ``dp``. The model states the
+live bytes of every event ``planner.simulate`` observes — each forward op, each region's
+recompute op, each backward op — as linear expressions over the decisions, so a plan satisfies
+the model exactly when the simulator's peak for it is within the peak variable (see
+``tests/test_ilp.py``, which fixes random plans and compares). Ideas from Checkmate (Jain et
+al. 2020: a boolean per retained tensor and stage) and Moccasin (Bartan et al. 2023: retention
+as intervals in CP-SAT); here retention is tied to PyTorch's checkpoint semantics instead of a
+free schedule, so each storage needs only one boolean per event inside its own retention window.
+
+Memory is counted in exact bytes; costs are ``fwd_cost`` seconds scaled to integers by
+``COST_SCALE``.
+
+Decision families (``t`` a node index, ``n`` nodes):
+
+* ``rec_{t}`` — node t runs inside a region.
+* ``start_{t}`` — a region starts at node t (only at a boundary).
+* ``keep_{t}`` — node t is inside a region and its outputs are kept (cached in forward).
+
+Derived families (each defined by constraints next to where it is created):
+
+* ``cont_{t}`` — node t is in the same region as node t-1 (``rec_t`` and not ``start_t``).
+* ``same_{a}_{b}`` — nodes a ≤ b are in one region (only for ``b - a < window``).
+* ``trigafter_{t}`` — t's region holds a *trigger* at t or later: a node whose backward runs
+  and that saved something, which is where PyTorch recomputes the region.
+* ``hastrig_{t}`` — t's region holds a trigger somewhere (it is recomputed at all).
+* ``stopafter_{t}`` — t's region holds a node that saves something at t or later: t runs in
+  the recompute (early stop ends it at the last such node).
+* ``last_trig_{t}`` — t is the last trigger of its region: the recompute happens just before
+  t's backward.
+* ``held_{s}`` — activation storage s is held past its last forward use (saved by a node
+  outside regions, an input of a region, or cached by a kept node).
+* ``alive_{s}_{i}`` — the original storage s is still held at node i's backward event.
+  Holders release as backward passes them (a saver at its own backward, a region's inputs and
+  cache at its start), so ``alive`` is monotone in i, and ``held_s`` for i past every release.
+* ``copy_{s}_{i}`` — the recomputed copy of s is held at node i's backward event.
+* ``rc_{s}_{t}`` — the recomputed copy of s is live while the recompute runs node t.
+* ``cachelive_{s}_{j}_{t}`` — kept node j's cached s is live while its region's recompute runs
+  t; ``savedin_{s}_{j}``: a node of j's region saves s (then ``alive`` counts it instead).
+* ``recomputed_{t}`` — node t is recomputed (in a region that is recomputed, before its early
+  stop, not kept): what the objective pays for.
+
+Integer families: ``peak`` (bytes, bounded by the budget) and ``trigger_bytes_{t}``: bytes held
+when t's region starts recomputing (everything but the recompute's own tensors).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+from ckptplan.graph import ComputeGraph
+from ckptplan.simulation import later_inplace_writer
+
+COST_SCALE = 2.0**40  # integer cost units per second (synthetic test costs are exact multiples)
+DEFAULT_WINDOW = 128  # longest region, in nodes, the model considers on graphs longer than this
+
+
+@dataclass
+class IlpVars:
+    """The decision variables of a built model, by node index, and its structure."""
+
+    rec: list[cp_model.IntVar]
+    start: list[cp_model.IntVar]
+    keep: dict[int, cp_model.IntVar]
+    peak: cp_model.IntVar
+    cost: cp_model.LinearExpr
+    window: int
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BackwardBase:
+    """Bytes the plan does not change at each backward event: gradients and temporaries.
+
+    ``before[i]``: gradient and parameter-gradient bytes live when node i's backward starts;
+    ``during[i]``: live at its event (its new gradients, accumulation transients, workspace).
+    ``runs``: nodes whose backward runs, in the order it does."""
+
+    before: dict[int, int]
+    during: dict[int, int]
+    runs: tuple[int, ...]
+
+
+def backward_base(graph: ComputeGraph) -> BackwardBase:
+    """Replay ``simulate``'s gradient bookkeeping alone (it depends on no plan)."""
+    holders: dict[object, set[int]] = {}
+    sizes: dict[object, int] = {}
+    live = 0
+    grads: dict[int, object | None] = {i: None for i in graph.loss_nodes}
+    done_params: set[int] = set()
+    before: dict[int, int] = {}
+    during: dict[int, int] = {}
+    runs: list[int] = []
+    counter = 0
+    for i in reversed(range(len(graph.nodes))):
+        node = graph.nodes[i]
+        if not (node.requires_grad and i in grads):
+            continue
+        runs.append(i)
+        before[i] = live
+        transient = 0
+        incoming = grads.get(i)
+        for j in sorted(set(node.grad_inputs)):
+            size = graph.nodes[j].output_bytes
+            if j in grads:
+                transient += size
+            elif node.grad_aliases_output and incoming is not None:
+                grads[j] = incoming
+                holders[incoming].add(j)
+            else:
+                counter += 1
+                grads[j] = key = ("grad", counter)
+                holders[key], sizes[key] = {j}, size
+                live += size
+        for p in node.param_grads:
+            if p in done_params:
+                transient += graph.storages[p].nbytes
+            else:
+                done_params.add(p)
+                live += graph.storages[p].nbytes
+        during[i] = live + transient + node.bwd_workspace_bytes
+        if incoming is not None:
+            holders[incoming].discard(i)
+            if not holders[incoming]:
+                live -= sizes.pop(incoming)
+                del holders[incoming]
+    return BackwardBase(before=before, during=during, runs=tuple(runs))
+
+
+class _Builder:
+    def __init__(self, graph: ComputeGraph, budget_bytes: int | None, window: int) -> None:
+        self.g = graph
+        self.n = n = len(graph.nodes)
+        self.W = window
+        self.m = cp_model.CpModel()
+        self.base = backward_base(graph)
+        self.runs_backward = set(self.base.runs)
+        self.resident = graph.static.resident_bytes
+        self.dynamic = [s.index for s in graph.storages if not s.is_static]
+        self.savers: dict[int, list[int]] = defaultdict(list)
+        for node in graph.nodes:
+            for s in sorted(set(node.saved)):
+                if not graph.storages[s].is_static:
+                    self.savers[s].append(node.index)
+        self.has_saved = [bool(node.saved) for node in graph.nodes]
+        self.trigger = [self.has_saved[i] and i in self.runs_backward for i in range(n)]
+        self._alias_nodes: dict[int, list[int]] = defaultdict(list)
+        for node in graph.nodes:
+            for s in node.outputs:
+                self._alias_nodes[s].append(node.index)
+        self.false = self.m.NewConstant(0)
+        self.true = self.m.NewConstant(1)
+        upper = budget_bytes if budget_bytes is not None else self._upper_bytes()
+        self.peak = self.m.NewIntVar(0, max(0, upper), "peak")
+        self._same: dict[tuple[int, int], cp_model.IntVar] = {}
+        self.alive_needs: dict[int, list[tuple[int, list]]] = defaultdict(list)
+
+    def _upper_bytes(self) -> int:
+        """More than any event can hold: every storage, gradients and temporaries at once."""
+        dynamic = sum(self.g.storages[s].nbytes for s in self.dynamic)
+        grads = max(self.base.during.values(), default=0)
+        work = max((node.fwd_workspace_bytes for node in self.g.nodes), default=0)
+        return self.resident + 2 * dynamic + grads + work
+
+    def implies(self, literals: list, var: cp_model.IntVar) -> None:
+        """All ``literals`` true => ``var`` true, as one clause (CP-SAT propagates these best)."""
+        self.m.AddBoolOr([*(literal.Not() for literal in literals), var])
+
+    # ------------------------------------------------------------------ decisions
+    def decisions(self) -> None:
+        m, n, g = self.m, self.n, self.g
+        self.rec = [m.NewBoolVar(f"rec_{t}") for t in range(n)]
+        self.start = [m.NewBoolVar(f"start_{t}") for t in range(n)]
+        self.keep: dict[int, cp_model.IntVar] = {}
+        for t, node in enumerate(g.nodes):
+            # Keep only ops that allocate: keeping a view saves nothing (its storage is its base's).
+            if not node.random and later_inplace_writer(g, t) is None and g.produced_by(t):
+                self.keep[t] = m.NewBoolVar(f"keep_{t}")
+                m.AddImplication(self.keep[t], self.rec[t])
+        # cont_t: t continues t-1's region. A region starts where rec rises, or where start says so.
+        self.cont = [self.false] + [m.NewBoolVar(f"cont_{t}") for t in range(1, n)]
+        boundaries = g.boundaries
+        for t in range(n):
+            m.AddImplication(self.start[t], self.rec[t])
+            if t == 0:
+                m.Add(self.start[0] == self.rec[0])
+                continue
+            c = self.cont[t]
+            # cont_t <=> rec_t and not start_t; and rec_t and not rec_{t-1} => start_t.
+            m.AddBoolOr([self.rec[t].Not(), self.start[t], c])
+            m.AddImplication(c, self.rec[t])
+            m.AddImplication(c, self.start[t].Not())
+            m.AddImplication(c, self.rec[t - 1])
+            m.AddBoolOr([self.rec[t].Not(), self.rec[t - 1], self.start[t]])
+            if t not in boundaries:
+                # No region may start or end here: an in-place op needs the tensors unmodified.
+                m.Add(self.start[t] == 0)
+                m.Add(self.rec[t] == self.rec[t - 1])
+        if n not in boundaries and n > 0:
+            m.Add(self.rec[n - 1] == 0)
+        # At most ``window`` nodes per region: no ``window`` consecutive continuations.
+        if self.W < n:
+            for t in range(self.W, n):
+                m.Add(sum(self.cont[t - self.W + 1: t + 1]) <= self.W - 1)
+
+    def same(self, a: int, b: int) -> cp_model.IntVar:
+        """``same_{a}_{b}``: nodes a ≤ b lie in one region (false beyond the window)."""
+        if a > b:
+            a, b = b, a
+        if b - a >= self.W or a < 0 or b >= self.n:
+            return self.false
+        if a == b:
+            return self.rec[a]
+        key = (a, b)
+        var = self._same.get(key)
+        if var is None:
+            inner = self.same(a, b - 1)
+            var = self._same[key] = self.m.NewBoolVar(f"same_{a}_{b}")
+            self.m.AddBoolAnd([inner, self.cont[b]]).OnlyEnforceIf(var)
+            self.m.AddBoolOr([inner.Not(), self.cont[b].Not(), var])
+        return var
+
+    def structure(self) -> None:
+        """trigafter and stopafter (exact), hastrig and last_trig (lower bounds: they only add
+        memory or cost when true, so the solver sets them no higher than the plan makes them)."""
+        m, n = self.m, self.n
+        self.trigafter = [self.false] * (n + 1)
+        self.next_trig = [self.false] * (n + 1)  # cont_{t+1} and trigafter_{t+1}
+        for t in reversed(range(n)):
+            if t + 1 < n:
+                nt = m.NewBoolVar(f"nexttrig_{t}")
+                m.AddBoolAnd([self.cont[t + 1], self.trigafter[t + 1]]).OnlyEnforceIf(nt)
+                m.AddBoolOr([self.cont[t + 1].Not(), self.trigafter[t + 1].Not(), nt])
+                self.next_trig[t] = nt
+            here = self.rec[t] if self.trigger[t] else self.false
+            ta = m.NewBoolVar(f"trigafter_{t}")
+            m.AddMaxEquality(ta, [here, self.next_trig[t]])
+            self.trigafter[t] = ta
+        self.stopafter = [self.false] * (n + 1)
+        self.next_stop = [self.false] * (n + 1)  # cont_{t+1} and stopafter_{t+1}
+        for t in reversed(range(n)):
+            if t + 1 < n:
+                ns = m.NewBoolVar(f"nextstop_{t}")
+                m.AddBoolAnd([self.cont[t + 1], self.stopafter[t + 1]]).OnlyEnforceIf(ns)
+                m.AddBoolOr([self.cont[t + 1].Not(), self.stopafter[t + 1].Not(), ns])
+                self.next_stop[t] = ns
+            here = self.rec[t] if self.has_saved[t] else self.false
+            sa = m.NewBoolVar(f"stopafter_{t}")
+            m.AddMaxEquality(sa, [here, self.next_stop[t]])
+            self.stopafter[t] = sa
+        self.hastrig = []
+        for t in range(n):
+            h = m.NewBoolVar(f"hastrig_{t}")
+            m.AddImplication(self.trigafter[t], h)
+            if t > 0:
+                m.AddBoolOr([self.cont[t].Not(), self.hastrig[t - 1].Not(), h])
+            self.hastrig.append(h)
+        self.last_trig: dict[int, cp_model.IntVar] = {}
+        for t in range(n):
+            if self.trigger[t]:
+                lt = m.NewBoolVar(f"last_trig_{t}")
+                m.AddBoolOr([self.rec[t].Not(), self.next_trig[t], lt])
+                self.last_trig[t] = lt
+
+    # ------------------------------------------------------------------ retention
+    def _keep_var(self, t: int) -> cp_model.IntVar:
+        return self.keep.get(t, self.false)
+
+    def cache_sets(self) -> dict[int, list[int]]:
+        """Storages each keepable node's cache holds: its outputs and what it allocates."""
+        g = self.g
+        sets = {}
+        for t in self.keep:
+            found = set(g.nodes[t].outputs) | {st.index for st in g.produced_by(t)}
+            sets[t] = sorted(s for s in found if not g.storages[s].is_static)
+        return sets
+
+    def retention(self) -> None:
+        """``held_s`` and the lower bounds on ``alive_{s}_{i}`` from each kind of holder."""
+        m, g, W, n = self.m, self.g, self.W, self.n
+        self.held = {s: m.NewBoolVar(f"held_{s}") for s in self.dynamic}
+        need = self.alive_needs  # s -> [(i, literals)]: all literals true => alive_{s}_{i}
+
+        def after(i: int) -> int:
+            return i if i in self.runs_backward else 0  # a saver whose backward never runs never releases
+
+        # Savers outside regions hold until their own backward.
+        for s, savers in self.savers.items():
+            for j in savers:
+                m.AddBoolOr([self.rec[j], self.held[s]])
+                need[s].append((after(j), [self.rec[j].Not()]))
+        # Region inputs: q's output read by u inside a region that starts after q, at some k in
+        # (q, u], held until backward passes k.
+        for q, node in enumerate(g.nodes):
+            outs = [s for s in node.outputs if not g.storages[s].is_static]
+            if not outs:
+                continue
+            for u in g.users[q]:
+                inside = self.same(q, u)
+                cross = m.NewBoolVar(f"input_{q}_{u}")
+                m.AddBoolOr([self.rec[u].Not(), inside, cross])
+                for s in outs:
+                    m.AddImplication(cross, self.held[s])
+                for k in range(max(q + 1, u - W + 1), u + 1):
+                    if k not in g.boundaries:
+                        continue
+                    for s in outs:
+                        need[s].append((k, [self.rec[u], self.start[k], self.same(k, u)]))
+        # Caches of kept nodes: held until their region's recompute consumes them (at its last
+        # trigger; backward events after it, i.e. with no trigger at or after them, still see
+        # the cache), or until backward passes the region's start if the recompute never runs j.
+        self.cache = self.cache_sets()
+        for j, storages in self.cache.items():
+            kj = self.keep[j]
+            for s in storages:
+                m.AddImplication(kj, self.held[s])
+                for i in range(max(0, j - W + 1), min(n, j + W)):
+                    need[s].append((i, [kj, self.same(i, j), self.trigafter[i].Not()]))
+                    # Past the early stop, the recompute never reaches j: its cache stays.
+                    need[s].append((i, [kj, self.same(i, j), self.stopafter[j].Not()]))
+                for i in range(j + 1, min(n, j + W + 1)):
+                    # The first node past the region: the cache is still held there.
+                    need[s].append((i, [kj, self.same(j, i).Not()]))
+                # After the recompute, savers inside the region hold the cached tensor.
+                for jp in self.savers.get(s, ()):
+                    if jp >= j:
+                        need[s].append((after(jp), [kj, self.same(j, jp)]))
+        # alive_{s}_{i} over each storage's window, monotone in i, then held_s beyond it.
+        self.alive: dict[int, dict[int, cp_model.IntVar]] = {}
+        self.window_end: dict[int, int] = {}
+        for s in self.dynamic:
+            needs = need.get(s)
+            if not needs:
+                self.window_end[s] = 0
+                continue
+            lo = min(i for i, _ in needs)
+            hi = max(i for i, _ in needs)
+            alive = {i: m.NewBoolVar(f"alive_{s}_{i}") for i in range(lo, hi + 1)}
+            for i in range(lo, hi):
+                m.AddImplication(alive[i], alive[i + 1])
+            m.AddImplication(alive[hi], self.held[s])
+            for i, literals in needs:
+                self.implies(literals, alive[i])
+            self.alive[s] = alive
+            self.window_end[s] = hi + 1
+
+    def alive_at(self, s: int, i: int) -> cp_model.IntVar:
+        alive = self.alive.get(s)
+        if alive is None:
+            return self.false
+        if i in alive:
+            return alive[i]
+        return self.held[s] if i >= self.window_end[s] else self.false
+
+    # ------------------------------------------------------------------ events
+    def last_forward_use(self) -> dict[int, int]:
+        """Step after which the plain forward drops each activation storage (n: a graph output)."""
+        g, n = self.g, self.n
+        last_node = {}
+        for j in range(n):
+            users = g.users[j]
+            last_node[j] = max(j, users[-1]) if users else j
+        for j in g.outputs:
+            last_node[j] = n
+        last = {}
+        for s in self.dynamic:
+            storage = g.storages[s]
+            aliases = self._alias_nodes.get(s, [])
+            last[s] = max([last_node[a] for a in aliases if a >= storage.producer] + [storage.producer])
+        return last
+
+    def forward_events(self) -> None:
+        """Each forward op: what the plain forward holds, plus retained storages past their use."""
+        m, g = self.m, self.g
+        last = self.last_forward_use()
+        starts_at: dict[int, list[int]] = defaultdict(list)
+        retired_after: dict[int, list[int]] = defaultdict(list)
+        for s in self.dynamic:
+            starts_at[g.storages[s].producer].append(s)
+            if last[s] < self.n:
+                retired_after[last[s]].append(s)
+        program = 0
+        retained: list = []
+        for i in range(self.n):
+            program += sum(g.storages[s].nbytes for s in starts_at[i])
+            live = self.resident + program + g.nodes[i].fwd_workspace_bytes
+            m.Add(live + sum(retained) <= self.peak)
+            for s in retired_after[i]:
+                program -= g.storages[s].nbytes
+                retained.append(g.storages[s].nbytes * self.held[s])
+            if len(retained) > 64:  # keep each constraint short: fold the running sum into a var
+                folded = m.NewIntVar(0, self._upper_bytes(), f"retained_{i}")
+                m.Add(folded == sum(retained))
+                retained = [folded]
+
+    def held_originals(self, i: int) -> list:
+        """Terms for the original storages alive at node i's backward event."""
+        terms = []
+        for s in self.dynamic:
+            var = self.alive_at(s, i)
+            if var is not self.false:
+                terms.append(self.g.storages[s].nbytes * var)
+        return terms
+
+    def copies(self) -> None:
+        """``copy_{s}_{i}``: s was recomputed in i's region and a saver at or before i holds it."""
+        m, g, W = self.m, self.g, self.W
+        self.copy_terms: dict[int, list] = defaultdict(list)
+        for s in self.dynamic:
+            storage = g.storages[s]
+            p = storage.producer
+            savers = [j for j in self.savers.get(s, ()) if j >= p and j - p < W]
+            if p < 0 or not savers:
+                continue
+            fresh = self._keep_var(p).Not()
+            for i in range(savers[0], min(self.n, p + W)):
+                if i not in self.runs_backward:
+                    continue
+                var = m.NewBoolVar(f"copy_{s}_{i}")
+                self.implies([fresh, self.same(p, i), self.trigafter[i]], var)
+                self.copy_terms[i].append(storage.nbytes * var)
+
+    def backward_events(self) -> None:
+        for i in self.base.runs:
+            live = self.resident + self.base.during[i]
+            self.m.Add(live + sum(self.held_originals(i)) + sum(self.copy_terms.get(i, [])) <= self.peak)
+
+    def recompute_events(self) -> None:
+        """Each region's recompute runs its nodes from the start to the early stop, while backward
+        holds what it held just before the region's last trigger."""
+        m, g, n, W = self.m, self.g, self.n, self.W
+        upper = self._upper_bytes()
+        self.trigger_bytes = [m.NewIntVar(0, upper, f"trigger_bytes_{t}") for t in range(n)]
+        for i, lt in self.last_trig.items():
+            terms = self.held_originals(i)
+            m.Add(self.trigger_bytes[i] >= self.base.before[i] + sum(terms)).OnlyEnforceIf(lt)
+        for t in range(1, n):
+            m.Add(self.trigger_bytes[t] >= self.trigger_bytes[t - 1]).OnlyEnforceIf(self.cont[t])
+            m.Add(self.trigger_bytes[t - 1] >= self.trigger_bytes[t]).OnlyEnforceIf(self.cont[t])
+        users_of = self._storage_users()
+        rc_terms: dict[int, list] = defaultdict(list)
+        for s in self.dynamic:
+            storage = g.storages[s]
+            p = storage.producer
+            if p < 0:
+                continue
+            fresh = self._keep_var(p).Not()
+            saved_by_p = p in self.savers.get(s, ())
+            first_saver = min((j for j in self.savers.get(s, ()) if j >= p), default=None)
+            for t in range(p, min(n, p + W)):
+                reasons = []  # literal lists: all true => rc
+                if t == p:
+                    if saved_by_p:
+                        reasons.append([fresh, self.rec[p], self.stopafter[p]])
+                    else:  # at the early stop, only what the op saves is allocated
+                        reasons.append([fresh, self.rec[p], self.next_stop[p]])
+                if first_saver is not None and t >= first_saver:
+                    reasons.append([fresh, self.same(p, t), self.stopafter[t]])
+                for u in users_of.get(s, ()):
+                    if t > p and t <= u < p + W:
+                        reasons.append([fresh, self.same(p, u), self.stopafter[u]])
+                if not reasons:
+                    continue
+                var = m.NewBoolVar(f"rc_{s}_{t}")
+                for literals in reasons:
+                    self.implies(literals, var)
+                rc_terms[t].append(storage.nbytes * var)
+        self.cached_in_recompute(users_of, rc_terms)
+        for t in range(n):
+            work = g.nodes[t].fwd_workspace_bytes
+            live = self.resident + self.trigger_bytes[t] + sum(rc_terms.get(t, []))
+            if work:
+                live += work - work * self._keep_var(t)
+            m.Add(live <= self.peak).OnlyEnforceIf([self.rec[t], self.stopafter[t], self.hastrig[t]])
+
+    def cached_in_recompute(self, users_of: dict[int, list[int]], rc_terms: dict[int, list]) -> None:
+        """``cachelive_{s}_{j}_{t}``: kept node j's cached s is live while its region's recompute
+        runs t: in the cache until j, then while the recompute still reads it. If a node of the
+        region saves it, ``alive`` already counts it in ``trigger_bytes`` (``savedin_{s}_{j}``)."""
+        m, n, W = self.m, self.n, self.W
+        for j, storages in self.cache.items():
+            kj = self.keep[j]
+            for s in storages:
+                pairs = []
+                for jp in self.savers.get(s, ()):
+                    if jp >= j and jp - j < W:
+                        pair = m.NewBoolVar(f"savedby_{s}_{j}_{jp}")
+                        m.AddImplication(pair, kj)
+                        m.AddImplication(pair, self.same(j, jp))
+                        pairs.append(pair)
+                saved_in = m.NewBoolVar(f"savedin_{s}_{j}")
+                m.AddBoolOr([saved_in.Not(), *pairs])
+                for t in range(max(0, j - W + 1), min(n, j + W)):
+                    reasons = []
+                    # (Past the early stop the cache is never consumed: ``alive`` counts it.)
+                    if t <= j:
+                        reasons.append([kj, self.same(t, j), self.stopafter[j]])
+                    for u in users_of.get(s, ()):
+                        if j < t <= u and u - j < W:
+                            reasons.append([kj, self.same(j, u), self.stopafter[u]])
+                    if not reasons:
+                        continue
+                    var = m.NewBoolVar(f"cachelive_{s}_{j}_{t}")
+                    for literals in reasons:
+                        self.implies([*literals, saved_in.Not()], var)
+                    rc_terms[t].append(self.g.storages[s].nbytes * var)
+
+    def _storage_users(self) -> dict[int, list[int]]:
+        """Nodes after a storage's producer that read it through any alias, or are aliases."""
+        g = self.g
+        found: dict[int, set[int]] = defaultdict(set)
+        for s, aliases in self._alias_nodes.items():
+            p = g.storages[s].producer
+            for a in aliases:
+                if a > p:
+                    found[s].add(a)
+                found[s].update(u for u in g.users[a] if u > p)
+        return {s: sorted(u) for s, u in found.items()}
+
+    def objective(self) -> cp_model.LinearExpr:
+        m, g = self.m, self.g
+        terms = []
+        for t, node in enumerate(g.nodes):
+            cost = round(node.fwd_cost * COST_SCALE)
+            if cost <= 0:
+                continue
+            var = m.NewBoolVar(f"recomputed_{t}")
+            self.implies([self.rec[t], self._keep_var(t).Not(), self.stopafter[t], self.hastrig[t]], var)
+            terms.append(cost * var)
+        return sum(terms)
+
+
+def build_model(
+    graph: ComputeGraph, budget_bytes: int | None = None, *, window: int | None = None
+) -> tuple[cp_model.CpModel, IlpVars]:
+    """The CP-SAT model of one-level plans for ``graph`` whose simulated peak is at most ``peak``
+    (bounded by ``budget_bytes`` when given). The objective is left to the caller: minimise
+    ``vars.cost`` for the cheapest plan, or ``vars.peak`` for the least reachable peak.
+
+    ``window``: the most nodes one region may span (default: all of them on graphs of up to
+    ``DEFAULT_WINDOW`` nodes, else ``DEFAULT_WINDOW``); the model grows as nodes × window.
+    """
+    n = len(graph.nodes)
+    if window is None:
+        window = n if n <= DEFAULT_WINDOW else DEFAULT_WINDOW
+    b = _Builder(graph, budget_bytes, max(1, min(window, n)))
+    b.decisions()
+    b.structure()
+    b.retention()
+    b.forward_events()
+    b.copies()
+    b.backward_events()
+    b.recompute_events()
+    cost = b.objective()
+    proto = b.m.Proto()
+    variables = IlpVars(
+        rec=b.rec,
+        start=b.start,
+        keep=b.keep,
+        peak=b.peak,
+        cost=cost,
+        window=b.W,
+        counts={"variables": len(proto.variables), "constraints": len(proto.constraints)},
+    )
+    return b.m, variables

@@ -1,0 +1,202 @@
+"""The ``ilp`` solver: its CP-SAT model agrees with the simulator plan by plan, it is optimal
+against exhaustive search over one-level plans with keep-sets, and its plans run."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckptplan
+from ckptplan import Region
+from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.graph import ComputeGraph
+from ckptplan.profiler.loss import training_loss
+from ckptplan.simulation import later_inplace_writer, simulate
+from ckptplan.solvers.dp import solve_dp
+from ckptplan.solvers.ilp import build_model, model_peak, solve_ilp
+from ckptplan.solvers.sqrt import solve_sqrt
+from tests.conftest import load_example
+from tests.synthetic import chain_graph, skip_graph
+
+
+def keepable(graph: ComputeGraph, j: int) -> bool:
+    """What the ilp may keep: an op that allocates, draws no random numbers, is not overwritten."""
+    return not graph.nodes[j].random and bool(graph.produced_by(j)) and later_inplace_writer(graph, j) is None
+
+
+def one_level_plans(graph: ComputeGraph, max_keeps: int | None = None):
+    """Every set of disjoint regions over the graph, each with every keep-set of at most
+    ``max_keeps`` nodes (all of them when None): the exhaustive reference space."""
+    n = len(graph.nodes)
+
+    def regions_from(lo: int):
+        if lo >= n:
+            yield ()
+            return
+        yield from regions_from(lo + 1)
+        for end in range(lo + 1, n + 1):
+            if lo in graph.boundaries and end in graph.boundaries:
+                for rest in regions_from(end):
+                    yield ((lo, end), *rest)
+
+    for spans in regions_from(0):
+        choices = []
+        for lo, end in spans:
+            names = [graph.nodes[j].name for j in range(lo, end) if keepable(graph, j)]
+            limit = len(names) if max_keeps is None else min(max_keeps, len(names))
+            keeps = [combo for size in range(limit + 1) for combo in itertools.combinations(names, size)]
+            choices.append([Region(lo, end, keep=keep) for keep in keeps])
+        yield from itertools.product(*choices)
+
+
+def random_plan(graph: ComputeGraph, rng: random.Random) -> tuple[Region, ...]:
+    n, regions, t = len(graph.nodes), [], 0
+    while t < n:
+        ends = [e for e in sorted(graph.boundaries) if e > t][:4]
+        if t in graph.boundaries and ends and rng.random() < 0.4:
+            end = rng.choice(ends)
+            keep = tuple(graph.nodes[j].name for j in range(t, end) if keepable(graph, j) and rng.random() < 0.3)
+            regions.append(Region(t, end, keep=keep))
+            t = end
+        else:
+            t += 1
+    return tuple(regions)
+
+
+# ----------------------------------------------------------------------------- the model
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([16, 32, 48, 64, 100, 128, 256]), min_size=1, max_size=8),
+    saves_output=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_model_peak_equals_the_simulated_peak_on_chains(sizes: list[int], saves_output: bool, seed: int) -> None:
+    graph = chain_graph(sizes, saves_output=saves_output)
+    plan = random_plan(graph, random.Random(seed))
+    assert model_peak(graph, plan) == simulate(graph, plan).peak_bytes
+
+
+def test_model_peak_equals_the_simulated_peak_with_skips_dropout_and_keeps() -> None:
+    graph = skip_graph()
+    rng = random.Random(1)
+    for _ in range(200):
+        plan = random_plan(graph, rng)
+        assert model_peak(graph, plan) == simulate(graph, plan).peak_bytes, plan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["unet", "resnet"])
+def test_model_peak_equals_the_simulated_peak_on_profiled_examples(name: str) -> None:
+    model, args = load_example(name).build()
+    graph = ckptplan.profile(model, args)
+    rng = random.Random(0)
+    for _ in range(6):
+        plan = random_plan(graph, rng)
+        assert model_peak(graph, plan) == simulate(graph, plan).peak_bytes, plan
+
+
+def test_variables_are_named_and_the_window_bounds_regions() -> None:
+    graph = chain_graph([100] * 10)
+    model, v = build_model(graph, None, window=3)
+    names = {var.Name() for var in [*v.rec, *v.start, *v.keep.values()]}
+    assert {"rec_0", "start_9", "keep_4"} <= names
+    assert v.window == 3
+    plan = solve_ilp(graph, graph.baseline_peak_bytes - 1, window=3)
+    assert all(region.end - region.start <= 3 for region in plan.regions)
+
+
+# ----------------------------------------------------------------------------- optimality
+def _check_against(graph: ComputeGraph, plans) -> None:
+    reports = [simulate(graph, plan) for plan in plans]
+    peaks = sorted({r.peak_bytes for r in reports})
+    for budget in peaks:
+        best = min(r.recompute_seconds for r in reports if r.peak_bytes <= budget)
+        plan = solve_ilp(graph, budget, warm=[])
+        assert plan.solver.status == "optimal", budget
+        assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
+        assert plan.prediction.recompute_seconds <= best, budget
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_ilp(graph, peaks[0] - 1, warm=[])
+    assert info.value.min_peak_bytes <= peaks[0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ilp_is_optimal_against_every_one_level_plan_with_keep_sets(seed: int) -> None:
+    rng = random.Random(300 + seed)
+    sizes = [rng.choice([16, 48, 100, 256]) for _ in range(6)]
+    graph = chain_graph(sizes, saves_output=seed == 1)
+    _check_against(graph, one_level_plans(graph, None))
+
+
+def test_ilp_is_optimal_on_the_skip_graph() -> None:
+    # Every region set (4,181), plus random keep-sets: all 300k combinations take minutes.
+    graph = skip_graph()
+    rng = random.Random(2)
+    plans = [*one_level_plans(graph, max_keeps=0), *(random_plan(graph, rng) for _ in range(2000))]
+    _check_against(graph, plans)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ilp_equals_one_level_dp_and_beats_sqrt_on_chains(seed: int) -> None:
+    rng = random.Random(500 + seed)
+    graph = chain_graph([rng.choice([32, 64, 100, 128, 256]) for _ in range(rng.randint(6, 12))])
+    for fraction in (0.95, 0.85, 0.75, 0.65):
+        budget = int(fraction * graph.baseline_peak_bytes)
+        try:
+            dp = solve_dp(graph, budget)
+        except InfeasibleBudgetError:
+            continue
+        ilp = solve_ilp(graph, budget, warm=[])
+        if all(not r.children for r in dp.regions):
+            assert ilp.prediction.recompute_seconds <= dp.prediction.recompute_seconds
+        try:
+            assert ilp.prediction.recompute_seconds <= solve_sqrt(graph, budget).prediction.recompute_seconds
+        except InfeasibleBudgetError:
+            pass
+
+
+def test_warm_start_is_never_beaten_by_a_stopped_search() -> None:
+    graph = chain_graph([100, 300, 100, 300, 100, 300, 100, 300])
+    budget = int(0.8 * graph.baseline_peak_bytes)
+    sqrt_plan = solve_sqrt(graph, budget)
+    plan = solve_ilp(graph, budget, time_limit=0.0, warm=[sqrt_plan])
+    assert plan.solver.name == "ilp"
+    assert plan.prediction.recompute_seconds <= sqrt_plan.prediction.recompute_seconds
+    assert plan.prediction.peak_bytes <= budget
+
+
+def test_ilp_plans_are_deterministic() -> None:
+    graph = skip_graph()
+    budget = (graph.baseline_peak_bytes * 9) // 10
+
+    def plan_json() -> str:
+        plan = ckptplan.solve(skip_graph(), budget, solver="ilp")
+        return plan.model_copy(update={"solver": plan.solver.model_copy(update={"seconds": 0.0})}).to_json()
+
+    assert plan_json() == plan_json()
+
+
+# ----------------------------------------------------------------------------- real models
+def test_keep_set_plan_on_unet_runs_with_equal_gradients_and_measured_peak() -> None:
+    model, args = load_example("unet").build()
+    graph = ckptplan.profile(model, args)
+    plan = ckptplan.solve(graph, 0.7, solver="ilp", time_limit=10)
+    assert any(region.keep for region in plan.regions) and plan.solver.name == "ilp"
+    emitted = ckptplan.emit(graph, plan)
+    measured = ckptplan.measure_step(emitted, args).peak_bytes
+    assert abs(measured - plan.prediction.peak_bytes) <= 0.03 * measured
+    assert measured <= plan.budget.bytes * 1.03
+    reference = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    training_loss(emitted(*args)).backward()
+    torch.manual_seed(0)
+    training_loss(reference(*args)).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
