@@ -38,7 +38,8 @@ DETERMINISTIC_SECONDS_PER_SECOND = 0.6
 
 @dataclass(frozen=True)
 class CpResult:
-    """What one CP-SAT run found: ``regions`` is None when it found no plan."""
+    """What one CP-SAT run found: ``regions`` is None when it found no plan; ``objective`` and
+    ``bound`` (a proven lower bound) are recompute costs in ``ilp_model.COST_SCALE`` units."""
 
     status: str
     regions: tuple[Region, ...] | None
@@ -140,6 +141,8 @@ def run_cp_sat(
     for _ in range(MAX_CUTS + 1):
         solver = cp_model.CpSolver()
         _configure(solver, remaining=time_limit - (time.perf_counter() - started), workers=workers, seed=seed)
+        log.info("ilp: searching %d variables for up to %.0f s; Ctrl-C stops early and keeps the best plan",
+                 v.counts["variables"], solver.parameters.max_time_in_seconds)
         code = solver.Solve(model)
         name = solver.StatusName(code)
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -147,9 +150,10 @@ def run_cp_sat(
         regions = extract_regions(graph, v, solver.Value)
         peak = simulate(graph, regions).peak_bytes
         if peak <= budget_bytes:
-            return CpResult(
-                name, regions, solver.ObjectiveValue(), solver.BestObjectiveBound(), time.perf_counter() - started
-            )
+            # In cost units: the tie-break (regions and keeps, below tie_scale) is dropped.
+            objective = solver.ObjectiveValue() // v.tie_scale
+            bound = max(0.0, solver.BestObjectiveBound() // v.tie_scale)
+            return CpResult(name, regions, objective, bound, time.perf_counter() - started)
         log.warning("ilp model and simulator disagree on %s (%d > %d bytes); cutting it off", regions, peak, budget_bytes)
         _exclude(model, v, solver)
     return CpResult("UNKNOWN", None, float("inf"), 0.0, time.perf_counter() - started)
@@ -222,7 +226,7 @@ def solve_ilp(
         )
     warm = list(warm) if warm is not None else _warm_plans(graph, budget_bytes, limit)
     model, v = build_model(graph, budget_bytes, window=window)
-    model.Minimize(v.cost)
+    model.Minimize(v.objective)
     one_level = [p for p in warm if all(not r.children for r in p.regions)]
     if one_level:
         best_hint = min(one_level, key=lambda p: p.prediction.recompute_seconds)

@@ -70,6 +70,8 @@ class IlpVars:
     keep: dict[int, cp_model.IntVar]
     peak: cp_model.IntVar
     cost: cp_model.LinearExpr
+    objective: cp_model.LinearExpr
+    tie_scale: int
     window: int
     counts: dict[str, int] = field(default_factory=dict)
 
@@ -541,7 +543,12 @@ def build_model(
 ) -> tuple[cp_model.CpModel, IlpVars]:
     """The CP-SAT model of one-level plans for ``graph`` whose simulated peak is at most ``peak``
     (bounded by ``budget_bytes`` when given). The objective is left to the caller: minimise
-    ``vars.cost`` for the cheapest plan, or ``vars.peak`` for the least reachable peak.
+    ``vars.objective`` for the cheapest plan, or ``vars.peak`` for the least reachable peak.
+
+    ``vars.cost`` is the recompute cost in ``COST_SCALE`` units per second; ``vars.objective``
+    is ``cost * tie_scale`` plus the number of regions and kept nodes, so among plans of equal
+    cost the one with the fewest checkpoint calls and cached ops wins (``tie_scale`` exceeds
+    that count, so cost always comes first).
 
     ``window``: the most nodes one region may span (default: all of them on graphs of up to
     ``DEFAULT_WINDOW`` nodes, else ``DEFAULT_WINDOW``); the model grows as nodes × window.
@@ -558,6 +565,8 @@ def build_model(
     b.backward_events()
     b.recompute_events()
     cost = b.objective()
+    tie_scale = 2 * n + 1
+    objective = tie_scale * cost + sum(b.start) + sum(b.keep.values())
     proto = b.m.Proto()
     variables = IlpVars(
         rec=b.rec,
@@ -565,6 +574,8 @@ def build_model(
         keep=b.keep,
         peak=b.peak,
         cost=cost,
+        objective=objective,
+        tie_scale=tie_scale,
         window=b.W,
         counts={"variables": len(proto.variables), "constraints": len(proto.constraints)},
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -369,3 +370,24 @@ def test_profile_json(tiny: Path) -> None:
     saved = [(-row["saved_bytes"], row["op"]) for row in report["by_op"]]
     assert saved == sorted(saved)
     assert report["baseline_peak_bytes"] > report["activation_bytes"] > 0
+
+
+def test_ctrl_c_during_the_ilp_search_returns_the_best_plan_so_far() -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "unet.py"
+    command = [sys.executable, "-m", "ckptplan.cli", "-v", "solve", str(example), "--budget", "0.5",
+               "--solver", "ilp", "--time-limit", "300", "--json"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:  # progress is logged to stderr; wait until CP-SAT is searching
+            if "searching" in line:
+                break
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    plan = json.loads(stdout)
+    # Stopped before CP-SAT found anything better, it returns the warm-start plan as "timeout".
+    assert plan["solver"]["name"] == "ilp" and plan["solver"]["status"] in ("feasible", "optimal", "timeout")
+    assert plan["solver"]["seconds"] < 300
+    assert plan["prediction"]["peak_bytes"] <= plan["budget"]["bytes"]

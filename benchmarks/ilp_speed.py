@@ -1,0 +1,93 @@
+"""The ``ilp`` solver against ``sqrt`` and ``dp`` in one process: model size, time, status, gap
+and the recompute overhead of each plan, on the examples and a ``transformers`` GPT-2.
+
+    python benchmarks/ilp_speed.py [--time-limit 60] [--workers 1]
+
+Each graph is solved at 70% and 50% of its no-checkpoint peak. ``ilp`` runs with the given time
+limit (model building included) and starts from the ``dp``/``sqrt`` plans; "gap" is CP-SAT's
+proven relative gap (1.0: no lower bound better than zero was proven). Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import ckptplan
+from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.solvers.ilp import build_model, solve_ilp
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+FRACTIONS = (0.7, 0.5)
+
+
+def example_graph(name: str) -> ckptplan.ComputeGraph:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model, args = module.build()
+    return ckptplan.profile(model, args)
+
+
+def gpt2_graph() -> ckptplan.ComputeGraph | None:
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    config = GPT2Config(
+        n_layer=2, n_embd=128, n_head=4, n_positions=256, vocab_size=1000, bos_token_id=0, eos_token_id=0, use_cache=False
+    )
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, 1000, (8, 256))
+    return ckptplan.profile(model, (ids,), {"labels": ids})
+
+
+def overhead(graph: ckptplan.ComputeGraph, budget: int, solver: str) -> str:
+    try:
+        return f"{ckptplan.solve(graph, budget, solver=solver).prediction.overhead:.3f}"
+    except InfeasibleBudgetError:
+        return "infeasible"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--workers", type=int, default=1)
+    options = parser.parse_args()
+    graphs = {name: example_graph(name) for name in ("unet", "resnet", "gpt")}
+    gpt2 = gpt2_graph()
+    if gpt2 is not None:
+        graphs["transformers GPT-2 (2 layers)"] = gpt2
+    print(f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
+          f"time limit {options.time_limit:g} s, {options.workers} worker(s)\n")
+    print("| graph | nodes | variables | constraints | build s | budget | sqrt overhead | dp overhead "
+          "| ilp overhead | ilp status | gap | ilp s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, graph in graphs.items():
+        started = time.perf_counter()
+        _, variables = build_model(graph, graph.baseline_peak_bytes)
+        build_seconds = time.perf_counter() - started
+        for fraction in FRACTIONS:
+            budget = int(fraction * graph.baseline_peak_bytes)
+            started = time.perf_counter()
+            try:
+                plan = solve_ilp(graph, budget, time_limit=options.time_limit, workers=options.workers)
+                ilp = f"{plan.prediction.overhead:.3f}"
+                status, gap = plan.solver.status, "-" if plan.solver.gap is None else f"{plan.solver.gap:.2f}"
+            except InfeasibleBudgetError:
+                ilp, status, gap = "infeasible", "infeasible", "-"
+            seconds = time.perf_counter() - started
+            print(f"| {name} | {len(graph.nodes)} | {variables.counts['variables']:,} | "
+                  f"{variables.counts['constraints']:,} | {build_seconds:.1f} | {fraction:.0%} | "
+                  f"{overhead(graph, budget, 'sqrt')} | {overhead(graph, budget, 'dp')} | {ilp} | {status} | "
+                  f"{gap} | {seconds:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
