@@ -39,7 +39,8 @@ DETERMINISTIC_SECONDS_PER_SECOND = 0.6
 @dataclass(frozen=True)
 class CpResult:
     """What one CP-SAT run found: ``regions`` is None when it found no plan; ``objective`` and
-    ``bound`` (a proven lower bound) are recompute costs in ``ilp_model.COST_SCALE`` units."""
+    ``bound`` (a proven lower bound) are recompute costs in ``ilp_model.COST_SCALE`` units
+    (``regions`` may have been simplified to no higher a cost)."""
 
     status: str
     regions: tuple[Region, ...] | None
@@ -87,6 +88,37 @@ def _fix(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tupl
                 model.AddHint(var, value)
             else:
                 model.Add(var == value)
+
+
+def simplify(graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int) -> tuple[Region, ...]:
+    """Drop regions and keeps that buy nothing: each is removed, in execution order, when the plan
+    without it still fits ``budget_bytes`` and recomputes no more. A stopped search leaves such
+    no-ops behind (a one-node region keeping its node, a region around free ops), and every
+    region is a ``checkpoint`` call at run time."""
+    best = simulate(graph, regions)
+
+    def no_worse(candidate: tuple[Region, ...]) -> bool:
+        nonlocal best
+        report = simulate(graph, candidate)
+        if report.peak_bytes <= budget_bytes and report.recompute_seconds <= best.recompute_seconds:
+            best = report
+            return True
+        return False
+
+    current = list(regions)
+    index = 0
+    while index < len(current):
+        candidate = current[:index] + current[index + 1:]
+        if no_worse(tuple(candidate)):
+            current = candidate
+            continue
+        region = current[index]
+        for name in region.keep:
+            trimmed = Region(region.start, region.end, keep=tuple(k for k in region.keep if k != name))
+            if no_worse(tuple(current[:index] + [trimmed] + current[index + 1:])):
+                region = current[index] = trimmed
+        index += 1
+    return tuple(current)
 
 
 def _hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...]) -> None:
@@ -150,10 +182,10 @@ def run_cp_sat(
         regions = extract_regions(graph, v, solver.Value)
         peak = simulate(graph, regions).peak_bytes
         if peak <= budget_bytes:
-            # In cost units: the tie-break (regions and keeps, below tie_scale) is dropped.
-            objective = solver.ObjectiveValue() // v.tie_scale
-            bound = max(0.0, solver.BestObjectiveBound() // v.tie_scale)
-            return CpResult(name, regions, objective, bound, time.perf_counter() - started)
+            regions = simplify(graph, regions, budget_bytes)
+            return CpResult(
+                name, regions, solver.ObjectiveValue(), solver.BestObjectiveBound(), time.perf_counter() - started
+            )
         log.warning("ilp model and simulator disagree on %s (%d > %d bytes); cutting it off", regions, peak, budget_bytes)
         _exclude(model, v, solver)
     return CpResult("UNKNOWN", None, float("inf"), 0.0, time.perf_counter() - started)
@@ -226,7 +258,7 @@ def solve_ilp(
         )
     warm = list(warm) if warm is not None else _warm_plans(graph, budget_bytes, limit)
     model, v = build_model(graph, budget_bytes, window=window)
-    model.Minimize(v.objective)
+    model.Minimize(v.cost)
     one_level = [p for p in warm if all(not r.children for r in p.regions)]
     if one_level:
         best_hint = min(one_level, key=lambda p: p.prediction.recompute_seconds)

@@ -25,23 +25,32 @@ Derived families (each defined by constraints next to where it is created):
 * ``cont_{t}`` — node t is in the same region as node t-1 (``rec_t`` and not ``start_t``).
 * ``same_{a}_{b}`` — nodes a ≤ b are in one region (only for ``b - a < window``).
 * ``trigafter_{t}`` — t's region holds a *trigger* at t or later: a node whose backward runs
-  and that saved something, which is where PyTorch recomputes the region.
+  and that saved something, which is where PyTorch recomputes the region. ``nexttrig_{t}``:
+  t+1 is in t's region and ``trigafter_{t+1}``.
+* ``nextstop_{t}`` — t+1 is in t's region and ``stopafter_{t+1}`` (t is not the early stop).
 * ``hastrig_{t}`` — t's region holds a trigger somewhere (it is recomputed at all).
 * ``stopafter_{t}`` — t's region holds a node that saves something at t or later: t runs in
   the recompute (early stop ends it at the last such node).
 * ``last_trig_{t}`` — t is the last trigger of its region: the recompute happens just before
   t's backward.
 * ``held_{s}`` — activation storage s is held past its last forward use (saved by a node
-  outside regions, an input of a region, or cached by a kept node).
+  outside regions, an input of a region, or cached by a kept node). ``input_{q}_{u}``: node
+  u reads q's output from outside its own region. ``retained_{i}``: a running sum of the
+  ``held`` bytes the forward carries past node i (folds long sums).
 * ``alive_{s}_{i}`` — the original storage s is still held at node i's backward event.
   Holders release as backward passes them (a saver at its own backward, a region's inputs and
   cache at its start), so ``alive`` is monotone in i, and ``held_s`` for i past every release.
 * ``copy_{s}_{i}`` — the recomputed copy of s is held at node i's backward event.
 * ``rc_{s}_{t}`` — the recomputed copy of s is live while the recompute runs node t.
 * ``cachelive_{s}_{j}_{t}`` — kept node j's cached s is live while its region's recompute runs
-  t; ``savedin_{s}_{j}``: a node of j's region saves s (then ``alive`` counts it instead).
+  t; ``savedin_{s}_{j}``: a node of j's region saves s (then ``alive`` counts it instead),
+  ``savedby_{s}_{j}_{jp}``: node jp, in j's region, saves it.
 * ``recomputed_{t}`` — node t is recomputed (in a region that is recomputed, before its early
   stop, not kept): what the objective pays for.
+
+Every derived boolean that only ever adds memory or cost is bounded from below only (the
+solver has no reason to raise it); those used both ways (``cont``, ``same``, ``trigafter``,
+``stopafter``, ``nexttrig``, ``nextstop``) are defined exactly.
 
 Integer families: ``peak`` (bytes, bounded by the budget) and ``trigger_bytes_{t}``: bytes held
 when t's region starts recomputing (everything but the recompute's own tensors).
@@ -70,8 +79,6 @@ class IlpVars:
     keep: dict[int, cp_model.IntVar]
     peak: cp_model.IntVar
     cost: cp_model.LinearExpr
-    objective: cp_model.LinearExpr
-    tie_scale: int
     window: int
     counts: dict[str, int] = field(default_factory=dict)
 
@@ -158,7 +165,8 @@ class _Builder:
                 self._alias_nodes[s].append(node.index)
         self.false = self.m.NewConstant(0)
         self.true = self.m.NewConstant(1)
-        upper = budget_bytes if budget_bytes is not None else self._upper_bytes()
+        self.upper = self._upper_bytes()
+        upper = budget_bytes if budget_bytes is not None else self.upper
         self.peak = self.m.NewIntVar(0, max(0, upper), "peak")
         self._same: dict[tuple[int, int], cp_model.IntVar] = {}
         self.alive_needs: dict[int, list[tuple[int, list]]] = defaultdict(list)
@@ -397,7 +405,7 @@ class _Builder:
                 program -= g.storages[s].nbytes
                 retained.append(g.storages[s].nbytes * self.held[s])
             if len(retained) > 64:  # keep each constraint short: fold the running sum into a var
-                folded = m.NewIntVar(0, self._upper_bytes(), f"retained_{i}")
+                folded = m.NewIntVar(0, self.upper, f"retained_{i}")
                 m.Add(folded == sum(retained))
                 retained = [folded]
 
@@ -437,8 +445,7 @@ class _Builder:
         """Each region's recompute runs its nodes from the start to the early stop, while backward
         holds what it held just before the region's last trigger."""
         m, g, n, W = self.m, self.g, self.n, self.W
-        upper = self._upper_bytes()
-        self.trigger_bytes = [m.NewIntVar(0, upper, f"trigger_bytes_{t}") for t in range(n)]
+        self.trigger_bytes = [m.NewIntVar(0, self.upper, f"trigger_bytes_{t}") for t in range(n)]
         for i, lt in self.last_trig.items():
             terms = self.held_originals(i)
             m.Add(self.trigger_bytes[i] >= self.base.before[i] + sum(terms)).OnlyEnforceIf(lt)
@@ -543,12 +550,8 @@ def build_model(
 ) -> tuple[cp_model.CpModel, IlpVars]:
     """The CP-SAT model of one-level plans for ``graph`` whose simulated peak is at most ``peak``
     (bounded by ``budget_bytes`` when given). The objective is left to the caller: minimise
-    ``vars.objective`` for the cheapest plan, or ``vars.peak`` for the least reachable peak.
-
-    ``vars.cost`` is the recompute cost in ``COST_SCALE`` units per second; ``vars.objective``
-    is ``cost * tie_scale`` plus the number of regions and kept nodes, so among plans of equal
-    cost the one with the fewest checkpoint calls and cached ops wins (``tie_scale`` exceeds
-    that count, so cost always comes first).
+    ``vars.cost`` (recompute cost, ``COST_SCALE`` units per second) for the cheapest plan, or
+    ``vars.peak`` for the least reachable peak.
 
     ``window``: the most nodes one region may span (default: all of them on graphs of up to
     ``DEFAULT_WINDOW`` nodes, else ``DEFAULT_WINDOW``); the model grows as nodes × window.
@@ -565,8 +568,6 @@ def build_model(
     b.backward_events()
     b.recompute_events()
     cost = b.objective()
-    tie_scale = 2 * n + 1
-    objective = tie_scale * cost + sum(b.start) + sum(b.keep.values())
     proto = b.m.Proto()
     variables = IlpVars(
         rec=b.rec,
@@ -574,8 +575,6 @@ def build_model(
         keep=b.keep,
         peak=b.peak,
         cost=cost,
-        objective=objective,
-        tie_scale=tie_scale,
         window=b.W,
         counts={"variables": len(proto.variables), "constraints": len(proto.constraints)},
     )
