@@ -20,7 +20,7 @@ from ckptplan.units import describe_bytes, parse_budget
 __all__ = ["available_solvers", "register", "solve"]
 
 AUTO_ILP_MAX_NODES = 400  # beyond this the ilp model takes long to build; dp and sqrt decide
-AUTO_ILP_SECONDS = 20.0  # auto's default time limit for the ilp search
+AUTO_ILP_SECONDS = 30.0  # auto's default time limit for the ilp search
 
 
 @register("auto")

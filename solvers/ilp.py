@@ -1,8 +1,9 @@
 """Solver ``ilp``: the cheapest one-level plan with per-node keep-sets, by CP-SAT (OR-Tools).
 
 Three steps, kept apart: ``build_model`` (``solvers.ilp_model``) states the plan space and the
-simulator's memory as constraints; ``run_cp_sat`` solves it under a time limit; ``extract_regions``
-reads the plan back. The ``sqrt`` and ``dp`` plans warm-start the search (as hints when they are
+simulator's memory as constraints; ``run_cp_sat`` solves it under a time limit (half of it on
+the whole model, then ``improve_locally``, a large-neighbourhood search over windows of nodes,
+if that did not prove optimality); ``extract_regions`` reads the plan back. The ``sqrt`` and ``dp`` plans warm-start the search (as hints when they are
 one-level) and stay candidates: a time-limited solve never returns anything worse than them.
 Every plan is re-simulated; should the simulator disagree with the model (a bug), the plan is
 cut off and the model solved again.
@@ -22,7 +23,7 @@ from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import simulate
-from ckptplan.solvers.ilp_model import IlpVars, build_model
+from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, build_model
 from ckptplan.solvers.registry import get_solver, register
 from ckptplan.units import describe_bytes
 
@@ -32,8 +33,11 @@ DEFAULT_TIME_LIMIT = 60.0  # seconds, when the caller gives none
 MAX_CUTS = 5  # re-solves after a simulator disagreement before giving up on the model's plan
 WARM_SOLVERS = ("dp", "sqrt")
 # CP-SAT's deterministic clock ran at 0.4-0.6 of wall time on the examples here (2 cores); a
-# limit of 0.6 of the time left usually stops the search on that clock, before the wall clock.
-DETERMINISTIC_SECONDS_PER_SECOND = 0.6
+# limit of 0.3 of the time left stops the search on that clock well before the wall clock.
+DETERMINISTIC_SECONDS_PER_SECOND = 0.3
+LNS_WINDOW = 24  # nodes whose decisions one local-search step frees
+LNS_DETERMINISTIC_SECONDS = 1.0  # deterministic-time limit of one local-search step
+GLOBAL_SHARE = 0.5  # of the time left after warm starts: the whole-model search; the rest is local
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,66 @@ def simplify(graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int
                 region = current[index] = trimmed
         index += 1
     return tuple(current)
+
+
+def improve_locally(
+    model: cp_model.CpModel,
+    graph: ComputeGraph,
+    v: IlpVars,
+    regions: tuple[Region, ...],
+    budget_bytes: int,
+    *,
+    deadline: float,
+    seed: int,
+) -> tuple[Region, ...]:
+    """Large-neighbourhood search from ``regions``: free the decisions of ``LNS_WINDOW`` nodes at a
+    time (stepping by half a window), fix the rest to the incumbent, and keep any cheaper plan
+    the simulator confirms; sweep until a sweep finds nothing or ``deadline`` passes. Each small
+    solve runs to optimality or a deterministic limit, so the result is reproducible."""
+    n = len(graph.nodes)
+    best = regions
+    best_cost = simulate(graph, regions).recompute_seconds
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for lo in range(0, max(1, n - LNS_WINDOW // 2), LNS_WINDOW // 2):
+            if time.perf_counter() >= deadline:
+                break
+            sub = model.Clone()
+            _fix_outside(sub, graph, v, best, lo, lo + LNS_WINDOW)
+            solver = cp_model.CpSolver()
+            solver.parameters.num_workers = 1
+            solver.parameters.random_seed = seed
+            solver.parameters.max_deterministic_time = LNS_DETERMINISTIC_SECONDS
+            solver.parameters.max_time_in_seconds = max(0.1, deadline - time.perf_counter())
+            if solver.Solve(sub) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                continue
+            candidate = extract_regions(graph, v, solver.Value)
+            report = simulate(graph, candidate)
+            if report.peak_bytes <= budget_bytes and report.recompute_seconds < best_cost:
+                best, best_cost, improved = candidate, report.recompute_seconds, True
+    return simplify(graph, best, budget_bytes)
+
+
+def _fix_outside(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions, lo: int, hi: int) -> None:
+    """Fix the decisions of nodes outside ``[lo, hi)`` to those of ``regions``; hint the rest."""
+    n = len(graph.nodes)
+    rec, start, keep = [0] * n, [0] * n, [0] * n
+    for region in regions:
+        start[region.start] = 1
+        for i in range(region.start, region.end):
+            rec[i] = 1
+        for name in region.keep:
+            keep[graph.index_of[name]] = 1
+    for t in range(n):
+        pairs = [(v.rec[t], rec[t]), (v.start[t], start[t])]
+        if t in v.keep:
+            pairs.append((v.keep[t], keep[t]))
+        for var, value in pairs:
+            if lo <= t < hi:
+                model.AddHint(var, value)
+            else:
+                model.Add(var == value)
 
 
 def _hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...]) -> None:
@@ -264,7 +328,21 @@ def solve_ilp(
         best_hint = min(one_level, key=lambda p: p.prediction.recompute_seconds)
         _hint_complete(model, graph, v, best_hint.regions)
     remaining = max(0.1, limit - (time.perf_counter() - started))
-    result = run_cp_sat(model, graph, v, time_limit=remaining, workers=workers, seed=seed, budget_bytes=budget_bytes)
+    result = run_cp_sat(
+        model, graph, v, time_limit=remaining * GLOBAL_SHARE, workers=workers, seed=seed, budget_bytes=budget_bytes
+    )
+    if result.status != "OPTIMAL":
+        incumbent = result.regions
+        if incumbent is None and one_level:
+            incumbent = best_hint.regions
+        if incumbent is not None:
+            model.ClearHints()
+            local = improve_locally(
+                model, graph, v, incumbent, budget_bytes, deadline=started + limit, seed=seed
+            )
+            if local != result.regions:
+                cost = simulate(graph, local).recompute_seconds * COST_SCALE
+                result = CpResult("FEASIBLE", local, cost, result.bound, time.perf_counter() - started)
     size = f"{len(graph.nodes)} nodes, {v.counts['variables']} variables, {v.counts['constraints']} constraints"
     if v.window < len(graph.nodes):
         size += f", regions of at most {v.window} nodes"
