@@ -51,6 +51,7 @@ class CpResult:
     objective: float
     bound: float
     seconds: float
+    interrupted: bool = False
 
 
 def extract_regions(graph: ComputeGraph, v: IlpVars, value) -> tuple[Region, ...]:
@@ -139,9 +140,27 @@ def improve_locally(
     time (stepping by half a window), fix the rest to the incumbent, and keep any cheaper plan
     the simulator confirms; sweep until a sweep finds nothing or ``deadline`` passes. Each small
     solve runs to optimality or a deterministic limit, so the result is reproducible."""
+    found = [regions]  # the incumbent, kept current so that Ctrl-C loses nothing
+    try:
+        _sweeps(model, graph, v, found, budget_bytes, deadline=deadline, seed=seed)
+    except KeyboardInterrupt:  # Ctrl-C between two small solves (CP-SAT catches it during one)
+        pass
+    return simplify(graph, found[0], budget_bytes)
+
+
+def _sweeps(
+    model: cp_model.CpModel,
+    graph: ComputeGraph,
+    v: IlpVars,
+    found: list[tuple[Region, ...]],
+    budget_bytes: int,
+    *,
+    deadline: float,
+    seed: int,
+) -> None:
     n = len(graph.nodes)
-    best = regions
-    best_cost = simulate(graph, regions).recompute_seconds
+    best = found[0]
+    best_cost = simulate(graph, best).recompute_seconds
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
@@ -155,13 +174,16 @@ def improve_locally(
             solver.parameters.random_seed = seed
             solver.parameters.max_deterministic_time = LNS_DETERMINISTIC_SECONDS
             solver.parameters.max_time_in_seconds = max(0.1, deadline - time.perf_counter())
-            if solver.Solve(sub) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            code = solver.Solve(sub)
+            if _interrupted(solver):
+                return
+            if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 continue
             candidate = extract_regions(graph, v, solver.Value)
             report = simulate(graph, candidate)
             if report.peak_bytes <= budget_bytes and report.recompute_seconds < best_cost:
                 best, best_cost, improved = candidate, report.recompute_seconds, True
-    return simplify(graph, best, budget_bytes)
+                found[0] = best
 
 
 def _fix_outside(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions, lo: int, hi: int) -> None:
@@ -210,6 +232,16 @@ def _exclude(model: cp_model.CpModel, v: IlpVars, solver: cp_model.CpSolver) -> 
     model.AddBoolOr(literals)
 
 
+def _interrupted(solver: cp_model.CpSolver) -> bool:
+    """The search stopped before proving anything and before either clock ran out: CP-SAT caught
+    a SIGINT (Ctrl-C), which it turns into an early return."""
+    params = solver.parameters
+    response = solver.ResponseProto()
+    wall_left = solver.WallTime() < 0.95 * params.max_time_in_seconds
+    clock_left = response.deterministic_time < 0.95 * params.max_deterministic_time
+    return response.status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and wall_left and clock_left
+
+
 def _configure(solver: cp_model.CpSolver, *, remaining: float, workers: int, seed: int) -> None:
     """Time limits and search parameters. One worker stopped by CP-SAT's deterministic clock
     (``DETERMINISTIC_SECONDS_PER_SECOND`` of the time left) finds the same plan on every run; the
@@ -242,13 +274,17 @@ def run_cp_sat(
         code = solver.Solve(model)
         name = solver.StatusName(code)
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return CpResult(name, None, float("inf"), solver.BestObjectiveBound(), time.perf_counter() - started)
+            return CpResult(
+                name, None, float("inf"), solver.BestObjectiveBound(), time.perf_counter() - started,
+                interrupted=_interrupted(solver),
+            )
         regions = extract_regions(graph, v, solver.Value)
         peak = simulate(graph, regions).peak_bytes
         if peak <= budget_bytes:
             regions = simplify(graph, regions, budget_bytes)
             return CpResult(
-                name, regions, solver.ObjectiveValue(), solver.BestObjectiveBound(), time.perf_counter() - started
+                name, regions, solver.ObjectiveValue(), solver.BestObjectiveBound(), time.perf_counter() - started,
+                interrupted=_interrupted(solver),
             )
         log.warning("ilp model and simulator disagree on %s (%d > %d bytes); cutting it off", regions, peak, budget_bytes)
         _exclude(model, v, solver)
@@ -331,7 +367,7 @@ def solve_ilp(
     result = run_cp_sat(
         model, graph, v, time_limit=remaining * GLOBAL_SHARE, workers=workers, seed=seed, budget_bytes=budget_bytes
     )
-    if result.status != "OPTIMAL":
+    if result.status != "OPTIMAL" and not result.interrupted:
         incumbent = result.regions
         if incumbent is None and one_level:
             incumbent = best_hint.regions
