@@ -72,8 +72,11 @@ def extract_regions(graph: ComputeGraph, v: IlpVars, value) -> tuple[Region, ...
     return tuple(regions)
 
 
-def _fix(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...], *, hint: bool) -> None:
-    """Hint (or force) the decisions of a one-level plan."""
+def _fix(
+    model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...], *, free: range = range(0)
+) -> None:
+    """Force the decisions of a one-level plan, except those of the nodes in ``free``, which are
+    only hinted."""
     n = len(graph.nodes)
     rec, start, keep = [0] * n, [0] * n, [0] * n
     for region in regions:
@@ -89,7 +92,7 @@ def _fix(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tupl
         elif keep[t]:
             raise CkptPlanError(f"node {graph.nodes[t].name!r} cannot be kept")
         for var, value in pairs:
-            if hint:
+            if t in free:
                 model.AddHint(var, value)
             else:
                 model.Add(var == value)
@@ -168,7 +171,7 @@ def _sweeps(
             if time.perf_counter() >= deadline:
                 break
             sub = model.Clone()
-            _fix_outside(sub, graph, v, best, lo, lo + LNS_WINDOW)
+            _fix(sub, graph, v, best, free=range(lo, lo + LNS_WINDOW))
             solver = cp_model.CpSolver()
             solver.parameters.num_workers = 1
             solver.parameters.random_seed = seed
@@ -186,38 +189,17 @@ def _sweeps(
                 found[0] = best
 
 
-def _fix_outside(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions, lo: int, hi: int) -> None:
-    """Fix the decisions of nodes outside ``[lo, hi)`` to those of ``regions``; hint the rest."""
-    n = len(graph.nodes)
-    rec, start, keep = [0] * n, [0] * n, [0] * n
-    for region in regions:
-        start[region.start] = 1
-        for i in range(region.start, region.end):
-            rec[i] = 1
-        for name in region.keep:
-            keep[graph.index_of[name]] = 1
-    for t in range(n):
-        pairs = [(v.rec[t], rec[t]), (v.start[t], start[t])]
-        if t in v.keep:
-            pairs.append((v.keep[t], keep[t]))
-        for var, value in pairs:
-            if lo <= t < hi:
-                model.AddHint(var, value)
-            else:
-                model.Add(var == value)
-
-
 def _hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...]) -> None:
     """Hint every variable, not just the decisions: a copy of the model with the plan fixed
     is solved for the values of the derived variables (CP-SAT repairs partial hints slowly)."""
     fixed = model.Clone()
-    _fix(fixed, graph, v, regions, hint=False)
+    _fix(fixed, graph, v, regions)
     fixed.ClearObjective()
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.max_time_in_seconds = 10.0
     if solver.Solve(fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        _fix(model, graph, v, regions, hint=True)
+        _fix(model, graph, v, regions, free=range(len(graph.nodes)))
         return
     for index in range(len(model.Proto().variables)):
         var = model.GetIntVarFromProtoIndex(index)
@@ -295,7 +277,7 @@ def model_peak(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int 
     """The least peak the model allows for one fixed one-level plan (tests compare it with
     ``simulate``: they must agree)."""
     model, v = build_model(graph, None, window=window)
-    _fix(model, graph, v, tuple(regions), hint=False)
+    _fix(model, graph, v, tuple(regions))
     model.Minimize(v.peak)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
@@ -306,15 +288,15 @@ def model_peak(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int 
 
 
 def least_peak(graph: ComputeGraph, *, time_limit: float, workers: int, seed: int, window: int | None) -> int:
-    """The least peak any one-level plan with keep-sets reaches (a lower bound when time runs out)."""
+    """The least peak one-level plans with keep-sets reach: exact when the search finishes, else
+    the least it found in ``time_limit`` (a plan reaching it exists either way)."""
     model, v = build_model(graph, None, window=window)
     model.Minimize(v.peak)
     solver = cp_model.CpSolver()
     _configure(solver, remaining=time_limit, workers=workers, seed=seed)
-    code = solver.Solve(model)
-    if code == cp_model.OPTIMAL:
+    if solver.Solve(model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return int(solver.Value(v.peak))
-    return int(solver.BestObjectiveBound())
+    return graph.baseline_peak_bytes
 
 
 def _warm_plans(graph: ComputeGraph, budget_bytes: int, time_limit: float) -> list[Plan]:
