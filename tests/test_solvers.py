@@ -271,3 +271,12 @@ def test_sqrt_records_its_provenance() -> None:
     assert plan.solver.name == "sqrt" and plan.solver.status == "feasible"
     assert f"{len(plan.regions)} checkpoint segment(s) over 24 nodes" in plan.solver.note
     assert all(isinstance(r, Region) and not r.children and not r.keep for r in plan.regions)
+
+
+def test_auto_says_when_the_graph_is_too_large_for_ilp() -> None:
+    from ckptplan.solvers import AUTO_ILP_MAX_NODES
+
+    graph = chain_graph([100] * (AUTO_ILP_MAX_NODES + 2))
+    plan = solve(graph, "80%", solver="auto")
+    assert plan.solver.name in ("dp", "sqrt")
+    assert f"ilp skipped: {AUTO_ILP_MAX_NODES + 2} nodes > {AUTO_ILP_MAX_NODES}" in plan.solver.note
