@@ -408,39 +408,17 @@ class _Simulator:
     def run(self) -> Report:
         g, mem = self.g, self.mem
         self._run_forward(0, self.n - 1, 0, None, {})
-        grads: dict[int, _Key | None] = {i: None for i in g.loss_nodes}
-        grad_counter = 0
-        done_params: set[int] = set()
+        steps = {step.node: step for step in gradient_steps(g)}
         for i in reversed(range(self.n)):
-            node = g.nodes[i]
-            if node.requires_grad and i in grads:
-                if node.saved:
+            step = steps.get(i)
+            if step is not None:
+                if g.nodes[i].saved:
                     for info in self.chain[i]:
                         if info.uid not in self.recomputed_regions:
                             self._recompute(info)
-                transient = 0
-                incoming = grads.get(i)
-                for j in sorted(set(node.grad_inputs)):
-                    size = g.nodes[j].output_bytes
-                    if j in grads:
-                        transient += size
-                    elif node.grad_aliases_output and incoming is not None:
-                        grads[j] = incoming
-                        mem.hold(incoming, 0, ("grad", j))
-                    else:
-                        grad_counter += 1
-                        key = (-grad_counter, 0)
-                        grads[j] = key
-                        mem.hold(key, size, ("grad", j))
-                for p in node.param_grads:
-                    if p in done_params:
-                        transient += g.storages[p].nbytes
-                    else:
-                        done_params.add(p)
-                        mem.hold((p, -1), g.storages[p].nbytes, ("param_grad",))
-                mem.observe("backward", i, transient + node.bwd_workspace_bytes)
-                if incoming is not None:
-                    mem.release(incoming, ("grad", i))
+                _begin_gradients(mem, g, step)
+                mem.observe("backward", i, step.transient_bytes + g.nodes[i].bwd_workspace_bytes)
+                _end_gradients(mem, step)
                 mem.release_token(("saved", i))
             for info in reversed(self.chain[i]):
                 if info.start == i:
@@ -458,6 +436,102 @@ class _Simulator:
             timeline=tuple(mem.timeline),
             baseline_resident_bytes=g.static.resident_bytes,
         )
+
+
+@dataclass(frozen=True)
+class GradientStep:
+    """What one node's backward does with gradients; no plan changes it.
+
+    ``incoming``: id of the gradient it consumes (None for a loss, whose seed is a scalar);
+    ``allocated``: (gradient id, bytes, receiving node) for each input gradient it creates;
+    ``aliased``: receiving nodes it hands a view of ``incoming`` (view ops); ``param_grads``:
+    parameter storages whose gradient it allocates first; ``transient_bytes``: what it adds into
+    gradients that already exist (a temporary of that size)."""
+
+    node: int
+    incoming: int | None
+    allocated: tuple[tuple[int, int, int], ...]
+    aliased: tuple[int, ...]
+    param_grads: tuple[int, ...]
+    transient_bytes: int
+
+
+def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
+    """The backward's gradient bookkeeping, in the order backward runs: every node that requires
+    grad and receives a gradient (from the loss nodes down)."""
+    grads: dict[int, int | None] = {i: None for i in graph.loss_nodes}
+    done_params: set[int] = set()
+    steps: list[GradientStep] = []
+    counter = 0
+    for i in reversed(range(len(graph.nodes))):
+        node = graph.nodes[i]
+        if not (node.requires_grad and i in grads):
+            continue
+        incoming = grads[i]
+        transient = 0
+        allocated: list[tuple[int, int, int]] = []
+        aliased: list[int] = []
+        for j in sorted(set(node.grad_inputs)):
+            size = graph.nodes[j].output_bytes
+            if j in grads:
+                transient += size
+            elif node.grad_aliases_output and incoming is not None:
+                grads[j] = incoming
+                aliased.append(j)
+            else:
+                counter += 1
+                grads[j] = counter
+                allocated.append((counter, size, j))
+        params = []
+        for p in node.param_grads:
+            if p in done_params:
+                transient += graph.storages[p].nbytes
+            else:
+                done_params.add(p)
+                params.append(p)
+        steps.append(GradientStep(i, incoming, tuple(allocated), tuple(aliased), tuple(params), transient))
+    return tuple(steps)
+
+
+def _begin_gradients(mem: _Memory, graph: ComputeGraph, step: GradientStep) -> None:
+    """Hold the gradients ``step`` creates (a gradient is held by each node it is owed to)."""
+    for gid, size, j in step.allocated:
+        mem.hold((-gid, 0), size, ("grad", j))
+    for j in step.aliased:
+        mem.hold((-step.incoming, 0), 0, ("grad", j))
+    for p in step.param_grads:
+        mem.hold((p, -1), graph.storages[p].nbytes, ("param_grad",))
+
+
+def _end_gradients(mem: _Memory, step: GradientStep) -> None:
+    """The gradient ``step`` consumed dies with it, unless a view of it was handed on."""
+    if step.incoming is not None:
+        mem.release((-step.incoming, 0), ("grad", step.node))
+
+
+@dataclass(frozen=True)
+class GradientBytes:
+    """Gradient bytes at each backward event, which no plan changes: ``before[i]`` live when node
+    i's backward starts, ``during[i]`` at its event (new gradients, accumulation temporaries,
+    workspace included); ``runs``: the nodes whose backward runs, in order."""
+
+    before: dict[int, int]
+    during: dict[int, int]
+    runs: tuple[int, ...]
+
+
+def gradient_bytes(graph: ComputeGraph) -> GradientBytes:
+    """``simulate``'s gradient bookkeeping alone, for solvers that model the rest themselves."""
+    mem = _Memory(0)
+    before: dict[int, int] = {}
+    during: dict[int, int] = {}
+    steps = gradient_steps(graph)
+    for step in steps:
+        before[step.node] = mem.live_bytes
+        _begin_gradients(mem, graph, step)
+        during[step.node] = mem.live_bytes + step.transient_bytes + graph.nodes[step.node].bwd_workspace_bytes
+        _end_gradients(mem, step)
+    return GradientBytes(before=before, during=during, runs=tuple(step.node for step in steps))
 
 
 def simulate(graph: ComputeGraph, plan: Plan | tuple[Region, ...] | list[Region] = ()) -> Report:

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from ckptplan.graph import ComputeGraph
-from ckptplan.simulation import later_inplace_writer
+from ckptplan.simulation import gradient_bytes, later_inplace_writer
 
 COST_SCALE = 2.0**40  # integer cost units per second (synthetic test costs are exact multiples)
 DEFAULT_WINDOW = 128  # longest region, in nodes, the model considers on graphs longer than this
@@ -83,72 +83,13 @@ class IlpVars:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class BackwardBase:
-    """Bytes the plan does not change at each backward event: gradients and temporaries.
-
-    ``before[i]``: gradient and parameter-gradient bytes live when node i's backward starts;
-    ``during[i]``: live at its event (its new gradients, accumulation transients, workspace).
-    ``runs``: nodes whose backward runs, in the order it does."""
-
-    before: dict[int, int]
-    during: dict[int, int]
-    runs: tuple[int, ...]
-
-
-def backward_base(graph: ComputeGraph) -> BackwardBase:
-    """Replay ``simulate``'s gradient bookkeeping alone (it depends on no plan)."""
-    holders: dict[object, set[int]] = {}
-    sizes: dict[object, int] = {}
-    live = 0
-    grads: dict[int, object | None] = {i: None for i in graph.loss_nodes}
-    done_params: set[int] = set()
-    before: dict[int, int] = {}
-    during: dict[int, int] = {}
-    runs: list[int] = []
-    counter = 0
-    for i in reversed(range(len(graph.nodes))):
-        node = graph.nodes[i]
-        if not (node.requires_grad and i in grads):
-            continue
-        runs.append(i)
-        before[i] = live
-        transient = 0
-        incoming = grads.get(i)
-        for j in sorted(set(node.grad_inputs)):
-            size = graph.nodes[j].output_bytes
-            if j in grads:
-                transient += size
-            elif node.grad_aliases_output and incoming is not None:
-                grads[j] = incoming
-                holders[incoming].add(j)
-            else:
-                counter += 1
-                grads[j] = key = ("grad", counter)
-                holders[key], sizes[key] = {j}, size
-                live += size
-        for p in node.param_grads:
-            if p in done_params:
-                transient += graph.storages[p].nbytes
-            else:
-                done_params.add(p)
-                live += graph.storages[p].nbytes
-        during[i] = live + transient + node.bwd_workspace_bytes
-        if incoming is not None:
-            holders[incoming].discard(i)
-            if not holders[incoming]:
-                live -= sizes.pop(incoming)
-                del holders[incoming]
-    return BackwardBase(before=before, during=during, runs=tuple(runs))
-
-
 class _Builder:
     def __init__(self, graph: ComputeGraph, budget_bytes: int | None, window: int) -> None:
         self.g = graph
         self.n = n = len(graph.nodes)
         self.W = window
         self.m = cp_model.CpModel()
-        self.base = backward_base(graph)
+        self.base = gradient_bytes(graph)
         self.runs_backward = set(self.base.runs)
         self.resident = graph.static.resident_bytes
         self.dynamic = [s.index for s in graph.storages if not s.is_static]
@@ -240,30 +181,8 @@ class _Builder:
         """trigafter and stopafter (exact), hastrig and last_trig (lower bounds: they only add
         memory or cost when true, so the solver sets them no higher than the plan makes them)."""
         m, n = self.m, self.n
-        self.trigafter = [self.false] * (n + 1)
-        self.next_trig = [self.false] * (n + 1)  # cont_{t+1} and trigafter_{t+1}
-        for t in reversed(range(n)):
-            if t + 1 < n:
-                nt = m.NewBoolVar(f"nexttrig_{t}")
-                m.AddBoolAnd([self.cont[t + 1], self.trigafter[t + 1]]).OnlyEnforceIf(nt)
-                m.AddBoolOr([self.cont[t + 1].Not(), self.trigafter[t + 1].Not(), nt])
-                self.next_trig[t] = nt
-            here = self.rec[t] if self.trigger[t] else self.false
-            ta = m.NewBoolVar(f"trigafter_{t}")
-            m.AddMaxEquality(ta, [here, self.next_trig[t]])
-            self.trigafter[t] = ta
-        self.stopafter = [self.false] * (n + 1)
-        self.next_stop = [self.false] * (n + 1)  # cont_{t+1} and stopafter_{t+1}
-        for t in reversed(range(n)):
-            if t + 1 < n:
-                ns = m.NewBoolVar(f"nextstop_{t}")
-                m.AddBoolAnd([self.cont[t + 1], self.stopafter[t + 1]]).OnlyEnforceIf(ns)
-                m.AddBoolOr([self.cont[t + 1].Not(), self.stopafter[t + 1].Not(), ns])
-                self.next_stop[t] = ns
-            here = self.rec[t] if self.has_saved[t] else self.false
-            sa = m.NewBoolVar(f"stopafter_{t}")
-            m.AddMaxEquality(sa, [here, self.next_stop[t]])
-            self.stopafter[t] = sa
+        self.trigafter, self.next_trig = self._found_later(self.trigger, "trigafter", "nexttrig")
+        self.stopafter, self.next_stop = self._found_later(self.has_saved, "stopafter", "nextstop")
         self.hastrig = []
         for t in range(n):
             h = m.NewBoolVar(f"hastrig_{t}")
@@ -277,6 +196,24 @@ class _Builder:
                 lt = m.NewBoolVar(f"last_trig_{t}")
                 m.AddBoolOr([self.rec[t].Not(), self.next_trig[t], lt])
                 self.last_trig[t] = lt
+
+    def _found_later(self, flags: list[bool], name: str, next_name: str) -> tuple[list, list]:
+        """Exact ``{name}_{t}``: t's region holds a node with ``flags`` set at t or later; and
+        ``{next_name}_{t}``: t+1 is in t's region and ``{name}_{t+1}``."""
+        m, n = self.m, self.n
+        found = [self.false] * (n + 1)
+        following = [self.false] * (n + 1)
+        for t in reversed(range(n)):
+            if t + 1 < n:
+                nxt = m.NewBoolVar(f"{next_name}_{t}")
+                m.AddBoolAnd([self.cont[t + 1], found[t + 1]]).OnlyEnforceIf(nxt)
+                m.AddBoolOr([self.cont[t + 1].Not(), found[t + 1].Not(), nxt])
+                following[t] = nxt
+            here = self.rec[t] if flags[t] else self.false
+            var = m.NewBoolVar(f"{name}_{t}")
+            m.AddMaxEquality(var, [here, following[t]])
+            found[t] = var
+        return found, following
 
     # ------------------------------------------------------------------ retention
     def _keep_var(self, t: int) -> cp_model.IntVar:
@@ -558,7 +495,7 @@ def build_model(
     """
     n = len(graph.nodes)
     if window is None:
-        window = n if n <= DEFAULT_WINDOW else DEFAULT_WINDOW
+        window = min(n, DEFAULT_WINDOW)
     b = _Builder(graph, budget_bytes, max(1, min(window, n)))
     b.decisions()
     b.structure()

@@ -22,6 +22,7 @@ from ckptplan.solvers.sqrt import solve_sqrt
 from ckptplan.profiler.loss import training_loss
 from tests import models
 from tests.conftest import load_example
+from tests.plan_spaces import one_level_plans
 from tests.synthetic import chain_graph
 
 
@@ -37,19 +38,6 @@ def nested_plans(lo: int, hi: int, forbid_whole: bool = False):
         for inner in list(nested_plans(lo, end, forbid_whole=True)):
             for rest in nested_plans(end, hi):
                 yield (Region(lo, end, children=inner), *rest)
-
-
-def one_level_plans(n: int):
-    """Every set of disjoint regions (no nesting) over n nodes."""
-    def from_(lo: int):
-        if lo >= n:
-            yield ()
-            return
-        yield from from_(lo + 1)
-        for end in range(lo + 1, n + 1):
-            for rest in from_(end):
-                yield (Region(lo, end), *rest)
-    return list(from_(0))
 
 
 def random_chain(rng: random.Random, n: int):
@@ -80,7 +68,7 @@ def test_dp_matches_exhaustive_nested_search(sizes: list[int], saves_output: boo
 def test_dp_never_worse_than_any_one_level_plan_or_sqrt(seed: int) -> None:
     rng = random.Random(100 + seed)
     graph = random_chain(rng, rng.randint(6, 8))
-    reports = [simulate(graph, plan) for plan in one_level_plans(len(graph.nodes))]
+    reports = [simulate(graph, plan) for plan in one_level_plans(graph, max_keeps=0)]
     peaks = sorted({r.peak_bytes for r in reports})
     for budget in peaks:
         best_one_level = min(r.recompute_seconds for r in reports if r.peak_bytes <= budget)

@@ -4,7 +4,6 @@ against exhaustive search over one-level plans with keep-sets, and its plans run
 from __future__ import annotations
 
 import copy
-import itertools
 import random
 
 import pytest
@@ -13,60 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptplan
-from ckptplan import Region
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.profiler.loss import training_loss
-from ckptplan.simulation import later_inplace_writer, simulate
+from ckptplan.simulation import simulate
 from ckptplan.solvers.dp import solve_dp
 from ckptplan.solvers.ilp import build_model, model_peak, solve_ilp
 from ckptplan.solvers.sqrt import solve_sqrt
 from tests.conftest import load_example
+from tests.plan_spaces import one_level_plans, random_plan
 from tests.synthetic import chain_graph, skip_graph
-
-
-def keepable(graph: ComputeGraph, j: int) -> bool:
-    """What the ilp may keep: an op that allocates, draws no random numbers, is not overwritten."""
-    return not graph.nodes[j].random and bool(graph.produced_by(j)) and later_inplace_writer(graph, j) is None
-
-
-def one_level_plans(graph: ComputeGraph, max_keeps: int | None = None):
-    """Every set of disjoint regions over the graph, each with every keep-set of at most
-    ``max_keeps`` nodes (all of them when None): the exhaustive reference space."""
-    n = len(graph.nodes)
-
-    def regions_from(lo: int):
-        if lo >= n:
-            yield ()
-            return
-        yield from regions_from(lo + 1)
-        for end in range(lo + 1, n + 1):
-            if lo in graph.boundaries and end in graph.boundaries:
-                for rest in regions_from(end):
-                    yield ((lo, end), *rest)
-
-    for spans in regions_from(0):
-        choices = []
-        for lo, end in spans:
-            names = [graph.nodes[j].name for j in range(lo, end) if keepable(graph, j)]
-            limit = len(names) if max_keeps is None else min(max_keeps, len(names))
-            keeps = [combo for size in range(limit + 1) for combo in itertools.combinations(names, size)]
-            choices.append([Region(lo, end, keep=keep) for keep in keeps])
-        yield from itertools.product(*choices)
-
-
-def random_plan(graph: ComputeGraph, rng: random.Random) -> tuple[Region, ...]:
-    n, regions, t = len(graph.nodes), [], 0
-    while t < n:
-        ends = [e for e in sorted(graph.boundaries) if e > t][:4]
-        if t in graph.boundaries and ends and rng.random() < 0.4:
-            end = rng.choice(ends)
-            keep = tuple(graph.nodes[j].name for j in range(t, end) if keepable(graph, j) and rng.random() < 0.3)
-            regions.append(Region(t, end, keep=keep))
-            t = end
-        else:
-            t += 1
-    return tuple(regions)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -103,7 +58,7 @@ def test_model_peak_equals_the_simulated_peak_on_profiled_examples(name: str) ->
 
 def test_variables_are_named_and_the_window_bounds_regions() -> None:
     graph = chain_graph([100] * 10)
-    model, v = build_model(graph, None, window=3)
+    _, v = build_model(graph, None, window=3)
     names = {var.Name() for var in [*v.rec, *v.start, *v.keep.values()]}
     assert {"rec_0", "start_9", "keep_4"} <= names
     assert v.window == 3
