@@ -19,6 +19,7 @@ from ckptplan.plan import (
     SolverInfo,
 )
 from ckptplan.simulation import Report, build_region_tree, simulate
+from ckptplan.timeline import timeline_of
 
 
 def baseline_peak_bytes(graph: ComputeGraph) -> int:
@@ -40,7 +41,7 @@ def make_plan(
     recorded as a hand-made (``manual``) plan.
     """
     regions = tuple(regions)
-    build_region_tree(graph, regions)
+    tops = build_region_tree(graph, regions)
     report = report if report is not None else simulate(graph, regions)
     baseline = baseline_peak_bytes(graph)
     step_cost = graph.step_cost
@@ -51,6 +52,7 @@ def make_plan(
         recompute_flops=report.recompute_flops,
         recompute_seconds=report.recompute_seconds,
         overhead=report.recompute_seconds / step_cost if step_cost > 0 else 0.0,
+        timeline=timeline_of(report.timeline),
     )
     return Plan(
         model=ModelInfo(
@@ -63,11 +65,25 @@ def make_plan(
         solver=solver or SolverInfo(name="manual", status="feasible", seconds=0.0),
         prediction=prediction,
         regions=regions,
-        nodes=_decisions(graph, regions),
+        nodes=_decisions(graph, regions, _region_input_bytes(graph, [top.input_storages for top in tops])),
     )
 
 
-def _decisions(graph: ComputeGraph, regions: tuple[Region, ...]) -> tuple[NodeDecision, ...]:
+def _region_input_bytes(graph: ComputeGraph, input_storages: Sequence[Sequence[int]]) -> list[int]:
+    """Per node: bytes of the storages it allocated that top-level regions store as their
+    inputs (``input_storages`` per region, as ``build_region_tree`` finds them). A storage two
+    regions read counts once: it is held once."""
+    per_node_bytes = [0] * len(graph.nodes)
+    for s in sorted({s for storages in input_storages for s in storages}):
+        storage = graph.storages[s]
+        if storage.producer >= 0:
+            per_node_bytes[storage.producer] += storage.nbytes
+    return per_node_bytes
+
+
+def _decisions(
+    graph: ComputeGraph, regions: tuple[Region, ...], region_input_bytes: Sequence[int]
+) -> tuple[NodeDecision, ...]:
     decision = ["store"] * len(graph.nodes)
     for top in regions:
         for region in top.walk():
@@ -86,6 +102,7 @@ def _decisions(graph: ComputeGraph, regions: tuple[Region, ...]) -> tuple[NodeDe
             output_bytes=node.output_bytes,
             saved_bytes=graph.saved_bytes(node.index),
             fwd_flops=node.fwd_flops,
+            region_input_bytes=region_input_bytes[node.index],
         )
         for node in graph.nodes
     )

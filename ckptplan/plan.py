@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ckptplan.errors import PlanFormatError
+from ckptplan.timeline import Timeline
 
 SCHEMA_VERSION = "ckptplan.plan/v1"
 SolverStatus = Literal["optimal", "feasible", "infeasible", "timeout"]
@@ -93,7 +94,10 @@ class SolverInfo(_Frozen):
 
 
 class Prediction(_Frozen):
-    """What ``planner.simulate`` says of the plan. ``overhead`` = recompute cost / step cost."""
+    """What ``planner.simulate`` says of the plan. ``overhead`` = recompute cost / step cost.
+
+    ``timeline``: the step's live bytes, downsampled (``ckptplan.timeline``); plans written
+    before it existed have none."""
 
     peak_bytes: int = Field(ge=0)
     baseline_peak_bytes: int = Field(ge=0)
@@ -101,9 +105,14 @@ class Prediction(_Frozen):
     recompute_flops: int = Field(ge=0)
     recompute_seconds: float = Field(ge=0.0)
     overhead: float = Field(ge=0.0)
+    timeline: Timeline | None = None
 
 
 class NodeDecision(_Frozen):
+    """One node's fate under the plan. ``region_input_bytes``: bytes of its output storages
+    that a top-level region reads from before it, which the region stores as its input until
+    its backward (0 in plans written before the field existed)."""
+
     name: str
     op: str
     module: str
@@ -111,6 +120,7 @@ class NodeDecision(_Frozen):
     output_bytes: int = Field(ge=0)
     saved_bytes: int = Field(ge=0)
     fwd_flops: int = Field(ge=0)
+    region_input_bytes: int = Field(default=0, ge=0)
 
 
 class Plan(_Frozen):

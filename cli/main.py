@@ -27,6 +27,7 @@ from ckptplan.errors import BudgetError
 from ckptplan.planner.io import check_plan_target, save_plan
 from ckptplan.planner.sweep import check_plotting, plot_pareto
 from ckptplan.planner.sweep import sweep as run_sweep
+from ckptplan.planner.timeline_plot import plot_timeline
 from ckptplan.solvers import available_solvers
 from ckptplan.solvers.registry import get_solver
 from ckptplan.units import check_budget
@@ -164,13 +165,23 @@ def profile(
 def show(
     plan_file: Annotated[Path, typer.Argument(metavar="PLAN.json", help="A plan written by 'ckptplan solve --out'.")],
     json_output: Annotated[bool, typer.Option("--json", help="Print the validated plan JSON on stdout.")] = False,
+    plot: Annotated[
+        Path | None, typer.Option(help="Draw the predicted memory timeline as a PNG here.", show_default=False)
+    ] = None,
 ) -> None:
-    """Summarise a saved plan."""
+    """Summarise a saved plan: prediction, memory timeline, regions, and modules."""
+    if plot is not None:
+        check_plotting()
+        check_plan_target(plot, overwrite=True)
     plan = load_plan(plan_file)
+    if plot is not None:
+        plot_timeline(plan, plot)
     if json_output:
         _write_stdout(plan.to_json())
         return
     render_plan(stderr_console(), plan)
+    if plot is not None:
+        stderr_console().print(f"Wrote the plot to {plot}", markup=False, soft_wrap=True)
 
 
 @app.command()

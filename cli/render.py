@@ -15,6 +15,7 @@ from ckptplan.cli.summary import GroupRow, ProfileSummary
 from ckptplan.plan import Plan
 from ckptplan.planner.sweep import SweepPoint
 from ckptplan.planner.verify import Verification
+from ckptplan.timeline import Timeline, max_pool
 from ckptplan.units import describe_bytes, format_bytes, format_flops
 
 
@@ -31,7 +32,8 @@ def render_error(console: Console, message: str) -> None:
 
 
 def render_plan(console: Console, plan: Plan) -> None:
-    """Model, budget, solver, prediction, then one row per top-level region."""
+    """Model, budget, solver, prediction and (when the plan has one) its memory timeline, then
+    one row per top-level region and one per module."""
     prediction = plan.prediction
     solver = plan.solver
     gap = "" if solver.gap is None else f", gap {solver.gap:.2%}"
@@ -46,10 +48,64 @@ def render_plan(console: Console, plan: Plan) -> None:
     rows.append(
         ("recompute", f"{format_flops(prediction.recompute_flops)}, overhead {prediction.overhead:.1%} of a step")
     )
+    timeline = prediction.timeline
+    if timeline is not None and timeline.bytes:
+        label_width = max(len(label) for label, _ in rows) + FACTS_PADDING
+        width = max(min(SPARKLINE_MAX_WIDTH, console.width) - label_width, SPARKLINE_MIN_WIDTH)
+        rows.append(("memory", sparkline(timeline, width)))
+        rows.append(("", _sparkline_scale(timeline, plan.budget.bytes)))
     console.print(_facts(rows))
     console.print(_regions_table(plan))
     if plan.regions and plan.nodes:
         console.print(_modules_table(plan))
+
+
+SPARKLINE_BLOCKS = "▁▂▃▄▅▆▇█"
+SPARKLINE_MAX_WIDTH = 100  # columns, label included
+SPARKLINE_MIN_WIDTH = 16  # columns for the sparkline even on a narrower console
+FACTS_PADDING = 2  # columns between a facts label and its value (see ``_facts``)
+SPARKLINE_SEPARATOR = " | "
+
+
+def sparkline(timeline: Timeline, width: int) -> str:
+    """``fwd ▁▂▅█ | bwd █▅▂▁`` in at most ``width`` columns (labels included): each block the
+    most bytes live over its stretch of the step, from the timeline's least (▁) to its peak
+    (█). Forward and backward (recomputation included) get columns in proportion to their
+    buckets; a part with no buckets is left out."""
+    forward_bytes = timeline.bytes[: timeline.backward_start]
+    backward_bytes = timeline.bytes[timeline.backward_start:]
+    parts = [(label, values) for label, values in (("fwd ", forward_bytes), ("bwd ", backward_bytes)) if values]
+    labels_width = sum(len(label) for label, _ in parts) + len(SPARKLINE_SEPARATOR) * (len(parts) - 1)
+    columns = max(width - labels_width, len(parts))
+    if len(timeline.bytes) > columns:
+        forward_columns = round(columns * len(forward_bytes) / len(timeline.bytes))
+        if forward_bytes and backward_bytes:
+            forward_columns = min(max(forward_columns, 1), columns - 1)
+        part_columns = [c for c in (forward_columns, columns - forward_columns) if c > 0]
+        parts = [(label, max_pool(values, c)) for (label, values), c in zip(parts, part_columns, strict=True)]
+    low_bytes, high_bytes = min(timeline.bytes), max(timeline.bytes)
+    return SPARKLINE_SEPARATOR.join(
+        label + "".join(_block(v, low_bytes, high_bytes) for v in values) for label, values in parts
+    )
+
+
+def _block(value_bytes: int, low_bytes: int, high_bytes: int) -> str:
+    """The block for ``value_bytes`` on a scale from ``low_bytes`` (▁) to ``high_bytes`` (█),
+    rounded to the nearest of the eight heights."""
+    top = len(SPARKLINE_BLOCKS) - 1
+    if high_bytes <= low_bytes:
+        return SPARKLINE_BLOCKS[top]
+    span = high_bytes - low_bytes
+    return SPARKLINE_BLOCKS[(2 * (value_bytes - low_bytes) * top + span) // (2 * span)]
+
+
+def _sparkline_scale(timeline: Timeline, budget_bytes: int) -> str:
+    """What the sparkline's lowest and highest blocks stand for, and the peak against the budget."""
+    peak_bytes = timeline.peak_bytes
+    line = f"▁ {format_bytes(min(timeline.bytes))} to █ {format_bytes(peak_bytes)} peak"
+    if budget_bytes > 0:
+        line += f", {peak_bytes / budget_bytes:.0%} of the {format_bytes(budget_bytes)} budget"
+    return line
 
 
 MODULE_DEPTH = 2  # group "blocks.3.attn.proj" under "blocks.3"
@@ -57,20 +113,22 @@ MODULE_DEPTH = 2  # group "blocks.3.attn.proj" under "blocks.3"
 
 def _modules_table(plan: Plan) -> Table:
     """Per module (paths cut to ``MODULE_DEPTH`` parts), in execution order: how many of its ops
-    are stored, recomputed or kept, and the bytes they would save for backward."""
+    are stored, recomputed or kept, the bytes they would save for backward, and the bytes of
+    their outputs that checkpoint regions store as inputs."""
     rows: dict[str, dict[str, int]] = {}
     for node in plan.nodes:
         module = ".".join(node.module.split(".")[:MODULE_DEPTH]) or "(top level)"
-        row = rows.setdefault(module, {"store": 0, "recompute": 0, "keep": 0, "saved": 0})
+        row = rows.setdefault(module, {"store": 0, "recompute": 0, "keep": 0, "saved": 0, "region_input": 0})
         row[node.decision] += 1
         row["saved"] += node.saved_bytes
+        row["region_input"] += node.region_input_bytes
     table = Table(title="by module", title_justify="left")
     table.add_column("module", overflow="fold")
-    for header in ("stored", "recomputed", "kept", "saved bytes"):
+    for header in ("stored", "recomputed", "kept", "saved bytes", "region inputs"):
         table.add_column(header, justify="right")
     for module, row in rows.items():
         table.add_row(Text(module), str(row["store"]), str(row["recompute"]), str(row["keep"]),
-                      format_bytes(row["saved"]))
+                      format_bytes(row["saved"]), format_bytes(row["region_input"]))
     return table
 
 

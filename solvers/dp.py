@@ -11,8 +11,9 @@ at its last saved tensor, then runs backward through its items in reverse, each 
 recomputing itself in turn. The memory of every step is counted as ``ckptplan.simulate``
 counts it (see ``solvers.chain`` for the per-stage quantities).
 
-Tables. Memory is in units of ``mem_unit`` bytes, every quantity rounded *up* (so a plan the DP
-accepts never exceeds the budget in bytes). A *frame* is the top level of the step or one
+Tables. Memory is in units of ``mem_unit`` bytes above the resident memory (which every step
+holds, so it is subtracted from the budget exactly), every quantity rounded *up* (so a plan the
+DP accepts never exceeds the budget in bytes). A *frame* is the top level of the step or one
 region's recomputation; its *items* are stages run directly and child regions.
 
 ``suffix[k][b][region][ms][mb][ihs][ihb]`` = the least recompute cost of handling the items that
@@ -63,7 +64,10 @@ class ChainDP:
     def __init__(self, chain: Chain, budget_bytes: int, mem_unit: int) -> None:
         self.chain = chain
         self.unit = mem_unit
-        self.budget = budget_bytes // mem_unit
+        # Resident bytes are held at every step, so they come off the budget exactly (in bytes)
+        # and the units resolve only what plans change: on a model whose optimizer state dwarfs
+        # its activations, units of the whole budget would round away the differences.
+        self.budget = (budget_bytes - chain.resident_bytes) // mem_unit
         up = self._units
         L = len(chain)
         self.L = L
@@ -80,7 +84,6 @@ class ChainDP:
         self.params_after = [0] * (L + 1)
         for k in reversed(range(L)):
             self.params_after[k] = self.params_after[k + 1] + up(chain.param_grad_bytes[k])
-        self.resident = up(chain.resident_bytes)
         self.prefix_cost = [0.0]
         for c in chain.cost:
             self.prefix_cost.append(self.prefix_cost[-1] + c)
@@ -172,7 +175,9 @@ class ChainDP:
     def solve(self) -> tuple[float, tuple]:
         if self.L == 0:
             return 0.0, ()
-        return self.suffix(0, self.L - 1, False, self.resident, self.resident, True, True)
+        if self.budget < 0:
+            return INF, ()
+        return self.suffix(0, self.L - 1, False, 0, 0, True, True)
 
 
 def regions_from_items(chain: Chain, items: tuple) -> tuple[Region, ...]:
@@ -209,7 +214,8 @@ def solve_dp(
     """Optimal nested checkpoint regions for ``graph``'s stage chain within ``budget_bytes``.
 
     ``mem_unit``: bytes per DP memory unit. Default: exact bytes for chains of up to
-    ``EXACT_STAGE_LIMIT`` stages, else ``budget_bytes / DEFAULT_MEM_UNITS`` rounded up. Every
+    ``EXACT_STAGE_LIMIT`` stages, else the budget above resident memory over
+    ``DEFAULT_MEM_UNITS``, rounded up. Every
     quantity is rounded up to units, so coarser units solve faster but may miss plans that fit
     within one unit per held item of the budget; the plan is optimal at its unit.
 
@@ -270,7 +276,7 @@ def solve_dp(
 def _solve_refining(
     chain: Chain, budget_bytes: int, mem_unit: int | None, started: float, time_limit: float | None
 ) -> tuple[float, tuple[Region, ...], int]:
-    """Solve at ``mem_unit`` (default: the budget over ``DEFAULT_MEM_UNITS``); when that finds
+    """Solve at ``mem_unit`` (default: the budget above resident memory over ``DEFAULT_MEM_UNITS``); when that finds
     nothing, rounding may be what excludes the plans near the budget, so refine the unit
     eightfold down to exact bytes while time allows."""
     if mem_unit is not None:
@@ -278,7 +284,7 @@ def _solve_refining(
     elif len(chain) <= EXACT_STAGE_LIMIT:
         unit = 1
     else:
-        unit = max(1, -(-budget_bytes // DEFAULT_MEM_UNITS))
+        unit = max(1, -(-(budget_bytes - chain.resident_bytes) // DEFAULT_MEM_UNITS))
     while True:
         cost, regions = solve_chain(chain, budget_bytes, unit)
         out_of_time = time_limit is not None and time.perf_counter() - started > time_limit

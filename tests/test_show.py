@@ -1,0 +1,183 @@
+"""``ckptplan show``: the memory timeline a plan carries, its sparkline and PNG, and the bytes
+each module's outputs contribute as checkpoint-region inputs. Synthetic graphs keep it fast."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+# Import torch before the first CliRunner run (see test_cli.py: torch's log handlers keep the
+# sys.stderr of their import).
+import torch  # noqa: F401
+from typer.testing import CliRunner, Result
+
+from ckptplan.build import make_plan
+from ckptplan.cli.main import app
+from ckptplan.cli.render import SPARKLINE_BLOCKS, sparkline
+from ckptplan.plan import Plan, Region
+from ckptplan.simulation import Event, simulate
+from ckptplan.solvers import available_solvers, solve
+from ckptplan.timeline import TIMELINE_BUCKETS, Timeline, bucket_bounds, max_pool, timeline_of
+from tests.synthetic import chain_graph
+
+runner = CliRunner()
+ACT_BYTES = [100, 100, 400, 400, 100, 100, 300, 300]
+
+
+def _uniform_graph():
+    return chain_graph([1000] * 24, param_bytes=16, saves_output=True)
+
+
+def invoke(*args: object) -> Result:
+    result = runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    assert "Traceback" not in result.output
+    return result
+
+
+def _solved_plan(solver: str = "dp") -> Plan:
+    plan = solve(_uniform_graph(), "80%", solver=solver)
+    assert plan.regions, "the budget should force checkpointing"
+    return plan
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("show") / "plan.json"
+    path.write_text(_solved_plan().to_json())
+    return path
+
+
+@pytest.fixture(scope="module")
+def old_plan_file(plan_file: Path) -> Path:
+    """The same plan as written before timelines and region-input bytes existed."""
+    raw = json.loads(plan_file.read_text())
+    del raw["prediction"]["timeline"]
+    for node in raw["nodes"]:
+        del node["region_input_bytes"]
+    path = plan_file.with_name("old_plan.json")
+    path.write_text(json.dumps(raw, indent=2))
+    return path
+
+
+# ----------------------------------------------------------------------------- the timeline field
+@pytest.mark.parametrize("solver", [s for s in available_solvers() if s != "auto"])
+def test_every_solvers_plan_carries_a_timeline_peaking_at_the_prediction(solver: str) -> None:
+    graph = _uniform_graph()
+    plan = _solved_plan(solver)
+    timeline = plan.prediction.timeline
+    assert timeline is not None
+    events = simulate(graph, plan).timeline
+    assert max(timeline.bytes) == timeline.peak_bytes == plan.prediction.peak_bytes
+    assert len(timeline.bytes) == min(len(events), TIMELINE_BUCKETS) and timeline.events == len(events)
+    first_backward = next(i for i, e in enumerate(events) if e.phase != "forward")
+    assert timeline.bytes[: timeline.backward_start] == tuple(e.live_bytes for e in events[:first_backward])
+
+
+def test_long_steps_are_downsampled_to_at_most_the_bucket_count_and_keep_the_peak() -> None:
+    graph = chain_graph([(37 * i) % 500 + 100 for i in range(150)])
+    plan = make_plan(graph, [Region(10, 60), Region(80, 140)])
+    timeline = plan.prediction.timeline
+    assert timeline is not None and len(timeline.bytes) == TIMELINE_BUCKETS < timeline.events
+    assert max(timeline.bytes) == plan.prediction.peak_bytes == simulate(graph, plan).peak_bytes
+    assert 0 < timeline.backward_start < TIMELINE_BUCKETS
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.to_json() == make_plan(graph, [Region(10, 60), Region(80, 140)]).to_json()
+
+
+def test_buckets_are_consecutive_nearly_equal_and_cover_everything() -> None:
+    bounds = bucket_bounds(10, 4)
+    assert bounds == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert bucket_bounds(3, 120) == [(0, 1), (1, 2), (2, 3)]
+    assert max_pool([1, 9, 2, 3, 8, 4, 5, 6, 7, 0], 4) == (9, 8, 5, 7)
+    with pytest.raises(ValueError):
+        bucket_bounds(5, 0)
+
+
+def test_backward_starts_at_the_bucket_holding_the_first_backward_event() -> None:
+    events = [Event("forward", i, 10 * i) for i in range(5)] + [Event("recompute", 2, 7), Event("backward", 1, 3)]
+    # Buckets of events [0, 2), [2, 4), [4, 7); the first backward event (index 5) is in the last.
+    assert timeline_of(events, buckets=3) == Timeline(bytes=(10, 30, 40), backward_start=2, events=7)
+    assert timeline_of(events[:5], buckets=3).backward_start == 3  # no backward: past the end
+    assert timeline_of([]) is None
+
+
+@pytest.mark.parametrize(
+    "fields", [{"bytes": (1, 2), "backward_start": 3, "events": 2}, {"bytes": (1, 2), "backward_start": 1, "events": 1}]
+)
+def test_inconsistent_timelines_are_rejected(fields: dict) -> None:
+    with pytest.raises(ValueError):
+        Timeline(**fields)
+
+
+def test_plans_without_timeline_or_region_inputs_still_load(old_plan_file: Path, plan_file: Path) -> None:
+    old = Plan.from_json(old_plan_file.read_text())
+    assert old.prediction.timeline is None
+    assert all(node.region_input_bytes == 0 for node in old.nodes)
+    assert old.regions == Plan.from_json(plan_file.read_text()).regions
+
+
+# ----------------------------------------------------------------------------- region inputs
+def test_region_input_bytes_are_the_outputs_entering_a_region_from_before_it() -> None:
+    graph = chain_graph(ACT_BYTES)
+    # [2, 4) reads relu_1's output; [5, 8) reads linear_4's; linear_4 runs outside any region.
+    plan = make_plan(graph, [Region(2, 4), Region(5, 8)])
+    by_name = {node.name: node.region_input_bytes for node in plan.nodes}
+    assert by_name == {n.name: 0 for n in plan.nodes} | {"relu_1": ACT_BYTES[1], "linear_4": ACT_BYTES[4]}
+    assert all(node.region_input_bytes == 0 for node in make_plan(graph, []).nodes)
+
+
+def test_solved_plans_have_region_inputs(plan_file: Path) -> None:
+    plan = Plan.from_json(plan_file.read_text())
+    assert sum(node.region_input_bytes for node in plan.nodes) > 0
+
+
+# ----------------------------------------------------------------------------- rendering
+def test_sparkline_fits_its_width_and_separates_forward_from_backward() -> None:
+    timeline = Timeline(bytes=tuple(range(60)) + tuple(range(59, -1, -1)), backward_start=60, events=120)
+    for width in (20, 50, 89, 200):
+        line = sparkline(timeline, width)
+        assert len(line) <= width
+        forward, backward = line.split(" | ")
+        assert forward.startswith("fwd ") and backward.startswith("bwd ")
+        assert forward[-1] == backward[4] == SPARKLINE_BLOCKS[-1]  # the peak survives pooling
+    unpooled = sparkline(timeline, 200)
+    assert unpooled.count(SPARKLINE_BLOCKS[0]) >= 2 and unpooled[4] == unpooled[-1] == SPARKLINE_BLOCKS[0]
+    assert sparkline(Timeline(bytes=(5, 5), backward_start=2, events=2), 40) == "fwd ██"
+
+
+def test_show_prints_the_sparkline_and_region_inputs(plan_file: Path) -> None:
+    result = invoke("show", plan_file)
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stderr.splitlines() if "fwd " in line)
+    assert "| bwd " in line and SPARKLINE_BLOCKS[-1] in line and len(line.rstrip()) <= 100
+    assert "peak" in result.stderr and "budget" in result.stderr
+    assert "region inputs" in result.stderr
+
+
+def test_show_renders_a_plan_without_timeline(old_plan_file: Path) -> None:
+    result = invoke("show", old_plan_file)
+    assert result.exit_code == 0, result.output
+    assert "checkpoint regions" in result.stderr and "region inputs" in result.stderr
+    assert "fwd " not in result.stderr
+
+
+def test_show_plot_writes_a_png(plan_file: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "timeline.png"
+    result = invoke("show", plan_file, "--plot", png)
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Wrote the plot" in result.stderr
+
+
+def test_show_plot_refuses_bad_targets_and_plans_without_timeline(
+    plan_file: Path, old_plan_file: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    missing_folder = invoke("show", plan_file, "--plot", tmp_path / "nowhere" / "t.png")
+    assert missing_folder.exit_code == 1 and "does not exist" in missing_folder.stderr
+    old = invoke("show", old_plan_file, "--plot", tmp_path / "old.png")
+    assert old.exit_code == 1 and "no memory timeline" in old.stderr
+    assert not (tmp_path / "old.png").exists()
