@@ -1,7 +1,8 @@
 """The one place library errors become exit codes (as fastapi-cli raises ``typer.Exit``).
 
-0 ok, 1 error, 2 usage, 3 budget infeasible. Only ``CkptPlanError`` is caught: anything else
-is a bug and should surface with its traceback.
+0 ok, 1 error, 2 usage, 3 budget infeasible, 130 interrupted (Ctrl-C outside a search, which
+keeps its best plan instead). Only ``CkptPlanError`` and ``KeyboardInterrupt`` are caught:
+anything else is a bug and should surface with its traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ckptplan.errors import BudgetError, CkptPlanError, InfeasibleBudgetError, U
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -42,5 +44,8 @@ def exits_on_error(command: Callable[P, R]) -> Callable[P, R]:
         except CkptPlanError as error:
             render_error(stderr_console(), str(error))
             raise typer.Exit(exit_code(error)) from None
+        except KeyboardInterrupt:
+            render_error(stderr_console(), "Interrupted; nothing was written.")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
     return run

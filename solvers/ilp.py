@@ -12,6 +12,8 @@ cut off and the model solved again.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -177,7 +179,7 @@ def _sweeps(
             solver.parameters.random_seed = seed
             solver.parameters.max_deterministic_time = LNS_DETERMINISTIC_SECONDS
             solver.parameters.max_time_in_seconds = max(0.1, deadline - time.perf_counter())
-            code = solver.Solve(sub)
+            code = solve_keeping_sigint(solver, sub)
             if _interrupted(solver):
                 return
             if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -198,7 +200,7 @@ def _hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, reg
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.max_time_in_seconds = 10.0
-    if solver.Solve(fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if solve_keeping_sigint(solver, fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         _fix(model, graph, v, regions, free=range(len(graph.nodes)))
         return
     for index in range(len(model.Proto().variables)):
@@ -212,6 +214,18 @@ def _exclude(model: cp_model.CpModel, v: IlpVars, solver: cp_model.CpSolver) -> 
     for var in [*v.rec, *v.start, *v.keep.values()]:
         literals.append(var.Not() if solver.Value(var) else var)
     model.AddBoolOr(literals)
+
+
+def solve_keeping_sigint(solver: cp_model.CpSolver, model: cp_model.CpModel) -> int:
+    """``solver.Solve(model)``, leaving Ctrl-C as it found it. CP-SAT turns a SIGINT during the
+    search into an early return, but afterwards leaves the signal's default action (end the
+    process at once) where Python's handler was, so a later Ctrl-C would lose the plan."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        return solver.Solve(model)
+    finally:
+        if handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, handler)
 
 
 def _interrupted(solver: cp_model.CpSolver) -> bool:
@@ -251,9 +265,12 @@ def run_cp_sat(
     for _ in range(MAX_CUTS + 1):
         solver = cp_model.CpSolver()
         _configure(solver, remaining=time_limit - (time.perf_counter() - started), workers=workers, seed=seed)
-        log.info("ilp: searching %d variables for up to %.0f s; Ctrl-C stops early and keeps the best plan",
-                 v.counts["variables"], solver.parameters.max_time_in_seconds)
-        code = solver.Solve(model)
+        try:  # from the moment the search is announced, Ctrl-C means "stop and keep the best"
+            log.info("ilp: searching %d variables for up to %.0f s; Ctrl-C stops early and keeps the best plan",
+                     v.counts["variables"], solver.parameters.max_time_in_seconds)
+            code = solve_keeping_sigint(solver, model)
+        except KeyboardInterrupt:  # pressed just before CP-SAT took over SIGINT
+            return CpResult("UNKNOWN", None, float("inf"), 0.0, time.perf_counter() - started, interrupted=True)
         name = solver.StatusName(code)
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return CpResult(
@@ -281,7 +298,7 @@ def model_peak(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int 
     model.Minimize(v.peak)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    code = solver.Solve(model)
+    code = solve_keeping_sigint(solver, model)
     if code != cp_model.OPTIMAL:
         raise CkptPlanError(f"the ilp model has no value for this plan ({solver.StatusName(code)})")
     return int(solver.Value(v.peak))
@@ -294,7 +311,7 @@ def least_peak(graph: ComputeGraph, *, time_limit: float, workers: int, seed: in
     model.Minimize(v.peak)
     solver = cp_model.CpSolver()
     _configure(solver, remaining=time_limit, workers=workers, seed=seed)
-    if solver.Solve(model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if solve_keeping_sigint(solver, model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return int(solver.Value(v.peak))
     return graph.baseline_peak_bytes
 

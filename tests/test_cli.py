@@ -391,3 +391,18 @@ def test_ctrl_c_during_the_ilp_search_returns_the_best_plan_so_far() -> None:
     assert plan["solver"]["name"] == "ilp" and plan["solver"]["status"] in ("feasible", "optimal", "timeout")
     assert plan["solver"]["seconds"] < 300
     assert plan["prediction"]["peak_bytes"] <= plan["budget"]["bytes"]
+
+
+def test_ctrl_c_outside_a_search_exits_130_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, tiny: Path, tmp_path: Path
+) -> None:
+    # Stands in for the user pressing Ctrl-C while the model is being profiled.
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckptplan, "profile", interrupted)
+    out = tmp_path / "plan.json"
+    result = invoke("solve", tiny, "--budget", "0.5", "--out", out)
+    assert result.exit_code == 130
+    assert "Interrupted" in result.output and "Traceback" not in result.output
+    assert not out.exists()
