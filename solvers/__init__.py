@@ -14,12 +14,12 @@ from ckptplan.simulation import simulate
 from ckptplan.solvers import dp as _dp  # noqa: F401  (registers "dp")
 from ckptplan.solvers import ilp as _ilp  # registers "ilp"; auto calls it with warm starts
 from ckptplan.solvers import sqrt as _sqrt  # noqa: F401  (registers "sqrt")
+from ckptplan.solvers.blocks import find_blocks
 from ckptplan.solvers.registry import available_solvers, get_solver, register
 from ckptplan.units import describe_bytes, parse_budget
 
 __all__ = ["available_solvers", "register", "solve"]
 
-AUTO_ILP_MAX_NODES = 400  # beyond this the ilp model takes long to build; dp and sqrt decide
 AUTO_ILP_SECONDS = 30.0  # auto's default time limit for the ilp search
 
 
@@ -27,9 +27,11 @@ AUTO_ILP_SECONDS = 30.0  # auto's default time limit for the ilp search
 def solve_auto(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None) -> Plan:
     """Run the solvers that suit the graph and keep the cheapest plan the simulator confirms.
 
-    ``sqrt`` and ``dp`` always run (they take seconds at most). ``ilp`` runs on graphs of up to
-    ``AUTO_ILP_MAX_NODES`` nodes, started from their plans and limited to ``time_limit`` seconds
-    (default ``AUTO_ILP_SECONDS``), so it can only improve on them. Solvers registered by users
+    ``sqrt`` always runs, ``dp`` too except on graphs ``ilp`` solves block by block (its chain
+    DP is slow and coarse there). ``ilp`` runs on graphs of up to ``ilp.FLAT_MAX_NODES`` nodes
+    and on larger ones made of repeated blocks (which it solves block by block), started from
+    their plans and limited to ``time_limit`` seconds (default ``AUTO_ILP_SECONDS``), so it can
+    only improve on them. Solvers registered by users
     run too. The plan records which solver won and what was skipped.
     """
     started = time.perf_counter()
@@ -44,16 +46,20 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         except InfeasibleBudgetError as exc:
             least_peak = exc.min_peak_bytes if least_peak is None else min(least_peak, exc.min_peak_bytes)
 
+    by_blocks = len(graph.nodes) > _ilp.FLAT_MAX_NODES and bool(find_blocks(graph)[0])
     for name in available_solvers():
         if name in ("auto", "ilp"):
             continue
+        if name == "dp" and by_blocks:
+            skipped.append(f"dp skipped: {len(graph.nodes)} nodes of repeated blocks, which ilp solves block by block")
+            continue
         attempt(lambda name=name: get_solver(name)(graph, budget_bytes, time_limit=time_limit))
-    if len(graph.nodes) <= AUTO_ILP_MAX_NODES:
+    if len(graph.nodes) <= _ilp.FLAT_MAX_NODES or by_blocks:
         limit = AUTO_ILP_SECONDS if time_limit is None else max(1.0, time_limit - (time.perf_counter() - started))
         warm = [p for p in plans if p.solver.name in _ilp.WARM_SOLVERS]
         attempt(lambda: _ilp.solve_ilp(graph, budget_bytes, time_limit=limit, warm=warm))
     else:
-        skipped.append(f"ilp skipped: {len(graph.nodes)} nodes > {AUTO_ILP_MAX_NODES}")
+        skipped.append(f"ilp skipped: {len(graph.nodes)} nodes > {_ilp.FLAT_MAX_NODES} and no repeated blocks")
     if not plans:
         raise InfeasibleBudgetError(
             f"No solver fits the budget of {describe_bytes(budget_bytes)}; the least peak any reaches is "

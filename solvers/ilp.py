@@ -25,6 +25,7 @@ from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import simulate
+from ckptplan.solvers import blocks
 from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, build_model
 from ckptplan.solvers.registry import get_solver, register
 from ckptplan.units import describe_bytes
@@ -40,6 +41,9 @@ DETERMINISTIC_SECONDS_PER_SECOND = 0.3
 LNS_WINDOW = 24  # nodes whose decisions one local-search step frees
 LNS_DETERMINISTIC_SECONDS = 1.0  # deterministic-time limit of one local-search step
 GLOBAL_SHARE = 0.5  # of the time left after warm starts: the whole-model search; the rest is local
+FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
+HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
+HIERARCHICAL_SHARE = 0.25  # of the time limit, on smaller graphs: the block-by-block warm start
 
 
 @dataclass(frozen=True)
@@ -139,15 +143,17 @@ def improve_locally(
     budget_bytes: int,
     *,
     deadline: float,
+    deterministic_seconds: float,
     seed: int,
 ) -> tuple[Region, ...]:
     """Large-neighbourhood search from ``regions``: free the decisions of ``LNS_WINDOW`` nodes at a
     time (stepping by half a window), fix the rest to the incumbent, and keep any cheaper plan
-    the simulator confirms; sweep until a sweep finds nothing or ``deadline`` passes. Each small
-    solve runs to optimality or a deterministic limit, so the result is reproducible."""
+    the simulator confirms; sweep until a sweep finds nothing or CP-SAT's deterministic clock has
+    run ``deterministic_seconds`` in all (``deadline``, wall clock, only backs that up). Each
+    small solve runs to optimality or a deterministic limit, so the result is reproducible."""
     found = [regions]  # the incumbent, kept current so that Ctrl-C loses nothing
     try:
-        _sweeps(model, graph, v, found, budget_bytes, deadline=deadline, seed=seed)
+        _sweeps(model, graph, v, found, budget_bytes, deadline=deadline, clock=deterministic_seconds, seed=seed)
     except KeyboardInterrupt:  # Ctrl-C between two small solves (CP-SAT catches it during one)
         pass
     return simplify(graph, found[0], budget_bytes)
@@ -161,25 +167,27 @@ def _sweeps(
     budget_bytes: int,
     *,
     deadline: float,
+    clock: float,
     seed: int,
 ) -> None:
     n = len(graph.nodes)
     best = found[0]
     best_cost = simulate(graph, best).recompute_seconds
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and clock > 0 and time.perf_counter() < deadline:
         improved = False
         for lo in range(0, max(1, n - LNS_WINDOW // 2), LNS_WINDOW // 2):
-            if time.perf_counter() >= deadline:
+            if clock <= 0 or time.perf_counter() >= deadline:
                 break
             sub = model.Clone()
             _fix(sub, graph, v, best, free=range(lo, lo + LNS_WINDOW))
             solver = cp_model.CpSolver()
             solver.parameters.num_workers = 1
             solver.parameters.random_seed = seed
-            solver.parameters.max_deterministic_time = LNS_DETERMINISTIC_SECONDS
+            solver.parameters.max_deterministic_time = min(LNS_DETERMINISTIC_SECONDS, clock)
             solver.parameters.max_time_in_seconds = max(0.1, deadline - time.perf_counter())
             code = solve_keeping_sigint(solver, sub)
+            clock -= solver.ResponseProto().deterministic_time
             if _interrupted(solver):
                 return
             if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -238,16 +246,18 @@ def _interrupted(solver: cp_model.CpSolver) -> bool:
     return response.status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and wall_left and clock_left
 
 
-def _configure(solver: cp_model.CpSolver, *, remaining: float, workers: int, seed: int) -> None:
-    """Time limits and search parameters. One worker stopped by CP-SAT's deterministic clock
-    (``DETERMINISTIC_SECONDS_PER_SECOND`` of the time left) finds the same plan on every run; the
+def _configure(
+    solver: cp_model.CpSolver, *, wall_seconds: float, deterministic_seconds: float, workers: int, seed: int
+) -> None:
+    """Limits and search parameters. One worker stopped by CP-SAT's deterministic clock finds the
+    same plan on every run: callers give it ``DETERMINISTIC_SECONDS_PER_SECOND`` of the time they
+    were *asked* to take (never of what is left, which depends on the machine's load), and the
     wall-clock limit only backs it up. More workers search better but not reproducibly."""
-    remaining = max(0.1, remaining)
-    solver.parameters.max_time_in_seconds = remaining
+    solver.parameters.max_time_in_seconds = max(0.1, wall_seconds)
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
     if workers == 1:
-        solver.parameters.max_deterministic_time = remaining * DETERMINISTIC_SECONDS_PER_SECOND
+        solver.parameters.max_deterministic_time = max(0.01, deterministic_seconds)
 
 
 def run_cp_sat(
@@ -256,15 +266,19 @@ def run_cp_sat(
     v: IlpVars,
     *,
     time_limit: float,
+    deterministic_seconds: float,
     workers: int,
     seed: int,
     budget_bytes: int,
 ) -> CpResult:
-    """Solve, re-simulate, and cut off plans the simulator rejects (at most ``MAX_CUTS``)."""
+    """Solve, re-simulate, and cut off plans the simulator rejects (at most ``MAX_CUTS``), within
+    ``time_limit`` seconds and ``deterministic_seconds`` of CP-SAT's deterministic clock."""
     started = time.perf_counter()
+    clock_left = deterministic_seconds
     for _ in range(MAX_CUTS + 1):
         solver = cp_model.CpSolver()
-        _configure(solver, remaining=time_limit - (time.perf_counter() - started), workers=workers, seed=seed)
+        _configure(solver, wall_seconds=time_limit - (time.perf_counter() - started),
+                   deterministic_seconds=clock_left, workers=workers, seed=seed)
         try:  # from the moment the search is announced, Ctrl-C means "stop and keep the best"
             log.info("ilp: searching %d variables for up to %.0f s; Ctrl-C stops early and keeps the best plan",
                      v.counts["variables"], solver.parameters.max_time_in_seconds)
@@ -287,6 +301,7 @@ def run_cp_sat(
             )
         log.warning("ilp model and simulator disagree on %s (%d > %d bytes); cutting it off", regions, peak, budget_bytes)
         _exclude(model, v, solver)
+        clock_left -= solver.ResponseProto().deterministic_time
     return CpResult("UNKNOWN", None, float("inf"), 0.0, time.perf_counter() - started)
 
 
@@ -304,21 +319,31 @@ def model_peak(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int 
     return int(solver.Value(v.peak))
 
 
-def least_peak(graph: ComputeGraph, *, time_limit: float, workers: int, seed: int, window: int | None) -> int:
+def least_peak(
+    graph: ComputeGraph,
+    *,
+    time_limit: float,
+    deterministic_seconds: float,
+    workers: int,
+    seed: int,
+    window: int | None,
+) -> int:
     """The least peak one-level plans with keep-sets reach: exact when the search finishes, else
     the least it found in ``time_limit`` (a plan reaching it exists either way)."""
     model, v = build_model(graph, None, window=window)
     model.Minimize(v.peak)
     solver = cp_model.CpSolver()
-    _configure(solver, remaining=time_limit, workers=workers, seed=seed)
+    _configure(solver, wall_seconds=time_limit, deterministic_seconds=deterministic_seconds, workers=workers, seed=seed)
     if solve_keeping_sigint(solver, model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return int(solver.Value(v.peak))
     return graph.baseline_peak_bytes
 
 
-def _warm_plans(graph: ComputeGraph, budget_bytes: int, time_limit: float) -> list[Plan]:
+def _warm_plans(
+    graph: ComputeGraph, budget_bytes: int, time_limit: float, names: Sequence[str] = WARM_SOLVERS
+) -> list[Plan]:
     plans = []
-    for name in WARM_SOLVERS:
+    for name in names:
         try:
             plans.append(get_solver(name)(graph, budget_bytes, time_limit=time_limit))
         except InfeasibleBudgetError:
@@ -338,6 +363,86 @@ def solve_ilp(
     warm: Sequence[Plan] | None = None,
 ) -> Plan:
     """The least-recompute one-level plan with keep-sets whose simulated peak fits ``budget_bytes``.
+
+    Graphs of more than ``FLAT_MAX_NODES`` nodes made of repeated blocks are solved block by
+    block (``solvers.blocks``: the flat model on one block per class, then one policy per block
+    by dynamic programming). Smaller graphs, or ones without repeated blocks, are solved whole
+    (``solve_flat``), with the block-by-block plan among the warm starts.
+    """
+    limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    if budget_bytes >= graph.baseline_peak_bytes:
+        return solve_flat(graph, budget_bytes, time_limit=limit)
+    if len(graph.nodes) > FLAT_MAX_NODES:
+        plan = solve_hierarchical(graph, budget_bytes, time_limit=limit, warm=warm)
+        if plan is not None:
+            return plan
+    # On smaller graphs the block-by-block plan is one more warm start for the whole model.
+    warm = list(warm) if warm is not None else _warm_plans(graph, budget_bytes, limit)
+    try:
+        by_blocks = solve_hierarchical(graph, budget_bytes, time_limit=limit * HIERARCHICAL_SHARE, warm=())
+    except InfeasibleBudgetError:
+        by_blocks = None
+    if by_blocks is not None:
+        warm.append(by_blocks)
+    return solve_flat(
+        graph, budget_bytes, time_limit=limit * (1 - HIERARCHICAL_SHARE), workers=workers, seed=seed,
+        window=window, warm=warm,
+    )
+
+
+def solve_hierarchical(
+    graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None, warm: Sequence[Plan] | None = None
+) -> Plan | None:
+    """``solvers.blocks`` on ``graph``; None when it has no repeated blocks. Half the time limit
+    goes to finding block policies; ``warm`` plans (default: ``sqrt``'s) are returned instead
+    when cheaper, or when the decomposition finds no plan."""
+    started = time.perf_counter()
+    limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    found = blocks.decompose(graph, seconds=limit * GLOBAL_SHARE)
+    if found is None:
+        return None
+    dec, windows = found
+    warm = list(warm) if warm is not None else _warm_plans(graph, budget_bytes, limit, names=("sqrt",))
+    result = blocks.solve_blocks(graph, budget_bytes, dec, windows)
+    note = f"{HIERARCHICAL}: {dec.describe()}"
+    if result is None:
+        if not warm:
+            least = blocks.least_peak(graph, dec, windows)
+            raise InfeasibleBudgetError(
+                f"Budget {describe_bytes(budget_bytes)} is below the least peak the block-by-block ilp reaches, "
+                f"{describe_bytes(least)}; raise the budget or try --solver dp (nested regions).",
+                budget_bytes=budget_bytes,
+                min_peak_bytes=max(least, budget_bytes + 1),
+            )
+        best = min(warm, key=lambda p: p.prediction.recompute_seconds)
+        return best.model_copy(update={"solver": SolverInfo(
+            name="ilp", status="feasible", seconds=time.perf_counter() - started,
+            note=f"{note}; no block choice fits, returning the {best.solver.name} plan")})
+    regions, report, repairs = result
+    if repairs:
+        note += f"; chosen again {repairs} time(s) below the budget where blocks interact"
+    plan = solver_plan(graph, regions, budget_bytes, SolverInfo(
+        name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note), report=report)
+    cheaper = [p for p in warm if p.prediction.recompute_seconds < plan.prediction.recompute_seconds]
+    if cheaper:
+        best = min(cheaper, key=lambda p: p.prediction.recompute_seconds)
+        return best.model_copy(update={"solver": SolverInfo(
+            name="ilp", status="feasible", seconds=time.perf_counter() - started,
+            note=f"the {best.solver.name} plan is cheaper than the block-by-block plan ({dec.describe()})")})
+    return plan
+
+
+def solve_flat(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    *,
+    time_limit: float | None = None,
+    workers: int = 1,
+    seed: int = 0,
+    window: int | None = None,
+    warm: Sequence[Plan] | None = None,
+) -> Plan:
+    """``solve_ilp`` on the whole graph as one CP-SAT model.
 
     ``time_limit`` (seconds, default ``DEFAULT_TIME_LIMIT``) bounds the CP-SAT search. With
     ``workers=1`` (the default) and a fixed ``seed`` the search is reproducible (see
@@ -363,8 +468,10 @@ def solve_ilp(
         best_hint = min(one_level, key=lambda p: p.prediction.recompute_seconds)
         _hint_complete(model, graph, v, best_hint.regions)
     remaining = max(0.1, limit - (time.perf_counter() - started))
+    clock = limit * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not the time left: reproducible
     result = run_cp_sat(
-        model, graph, v, time_limit=remaining * GLOBAL_SHARE, workers=workers, seed=seed, budget_bytes=budget_bytes
+        model, graph, v, time_limit=remaining * GLOBAL_SHARE, deterministic_seconds=clock * GLOBAL_SHARE,
+        workers=workers, seed=seed, budget_bytes=budget_bytes,
     )
     if result.status != "OPTIMAL" and not result.interrupted:
         incumbent = result.regions
@@ -373,7 +480,8 @@ def solve_ilp(
         if incumbent is not None:
             model.ClearHints()
             local = improve_locally(
-                model, graph, v, incumbent, budget_bytes, deadline=started + limit, seed=seed
+                model, graph, v, incumbent, budget_bytes, deadline=started + limit,
+                deterministic_seconds=clock * (1 - GLOBAL_SHARE), seed=seed,
             )
             if local != result.regions:
                 cost = simulate(graph, local).recompute_seconds * COST_SCALE
@@ -383,7 +491,8 @@ def solve_ilp(
         size += f", regions of at most {v.window} nodes"
     if result.regions is None:
         if result.status == "INFEASIBLE":
-            least = least_peak(graph, time_limit=remaining, workers=workers, seed=seed, window=window)
+            least = least_peak(graph, time_limit=remaining, deterministic_seconds=clock, workers=workers, seed=seed,
+                               window=window)
             raise InfeasibleBudgetError(
                 f"Budget {describe_bytes(budget_bytes)} is below the least peak one-level plans with keep-sets "
                 f"reach, {describe_bytes(least)}; raise the budget or try --solver dp (nested regions).",
@@ -398,7 +507,7 @@ def solve_ilp(
                 min_peak_bytes=budget_bytes + 1,
             )
         fallback = min(warm, key=lambda p: p.prediction.recompute_seconds)
-        note = f"no ilp plan within {limit:g} s ({size}); returning the {fallback.solver.name} plan"
+        note = f"no ilp plan within {limit:g} s ({size}); returning the {_origin(fallback)} plan"
         return fallback.model_copy(update={"solver": SolverInfo(
             name="ilp", status="timeout", seconds=time.perf_counter() - started, note=note)})
     plan = solver_plan(graph, result.regions, budget_bytes, SolverInfo(name="ilp", status="feasible", seconds=0.0))
@@ -406,7 +515,7 @@ def solve_ilp(
     if better_warm:
         # Only a nested dp plan can beat the optimum of the one-level space, or a stopped search.
         best = min(better_warm, key=lambda p: p.prediction.recompute_seconds)
-        note = f"the {best.solver.name} plan is cheaper than the best one-level plan found ({size})"
+        note = f"the {_origin(best)} plan is cheaper than the best one-level plan found ({size})"
         return best.model_copy(update={"solver": SolverInfo(
             name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note)})
     proven = result.status == "OPTIMAL"
@@ -415,6 +524,11 @@ def solve_ilp(
     return plan.model_copy(update={"solver": SolverInfo(
         name="ilp", status="optimal" if proven else "feasible", seconds=time.perf_counter() - started,
         gap=gap, note=note)})
+
+
+def _origin(plan: Plan) -> str:
+    """How a warm-start plan was made, for notes."""
+    return HIERARCHICAL if plan.solver.note.startswith(HIERARCHICAL) else plan.solver.name
 
 
 def _gap(result: CpResult) -> float | None:

@@ -16,6 +16,8 @@ recompute seconds are exact and comparisons between plans never hinge on roundin
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 
 from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage, TensorSpec
@@ -186,3 +188,8 @@ def check_consistent(graph: ComputeGraph) -> None:
         for s in (*node.outputs, *node.saved, *node.param_grads):
             assert 0 <= s < len(graph.storages), node
         assert all(graph.storages[p].kind == "param" and graph.storages[p].trainable for p in node.param_grads)
+
+
+def without_modules(graph: ComputeGraph) -> ComputeGraph:
+    """``graph`` with every node's module path cleared: no module structure, no repeated blocks."""
+    return dataclasses.replace(graph, nodes=tuple(dataclasses.replace(n, module="") for n in graph.nodes))

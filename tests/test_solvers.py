@@ -16,7 +16,7 @@ from ckptplan.solvers import available_solvers, registry, solve
 from ckptplan.solvers.registry import get_solver, register
 from ckptplan.solvers.sqrt import crossing_bytes, segment
 from ckptplan.units import format_bytes
-from tests.synthetic import chain_graph, skip_graph
+from tests.synthetic import chain_graph, skip_graph, without_modules
 
 SOLVERS = available_solvers()
 
@@ -274,9 +274,9 @@ def test_sqrt_records_its_provenance() -> None:
 
 
 def test_auto_says_when_the_graph_is_too_large_for_ilp() -> None:
-    from ckptplan.solvers import AUTO_ILP_MAX_NODES
+    from ckptplan.solvers.ilp import FLAT_MAX_NODES
 
-    graph = chain_graph([100] * (AUTO_ILP_MAX_NODES + 2))
+    graph = without_modules(chain_graph([100] * (FLAT_MAX_NODES + 2)))
     plan = solve(graph, "80%", solver="auto")
     assert plan.solver.name in ("dp", "sqrt")
-    assert f"ilp skipped: {AUTO_ILP_MAX_NODES + 2} nodes > {AUTO_ILP_MAX_NODES}" in plan.solver.note
+    assert f"ilp skipped: {FLAT_MAX_NODES + 2} nodes > {FLAT_MAX_NODES} and no repeated blocks" in plan.solver.note

@@ -1,0 +1,401 @@
+"""Hierarchical solving of graphs built from repeated blocks (what ``ilp`` does on large graphs).
+
+A transformer traced at aten level repeats one block's ops once per layer (a 96-layer GPT-3-shaped
+graph has about 4,600 nodes). The flat ilp model grows as nodes × region width, yet the decision
+is made per block. So, in four steps:
+
+1. ``find_blocks``: a *block* is the execution-order range of one module ``<path>.<i>`` (a child of
+   a ``ModuleList`` or ``Sequential``) whose family has at least two members; blocks whose node
+   signatures (ops, edges inside the block, bytes, FLOPs) are equal form a *class* (the first
+   block of a stack often differs a little, and is a class of its own).
+2. ``block_policies``: for each class, one block is solved as a graph of its own (``block_graph``)
+   by the flat ``ilp`` at several budgets. Each plan found is a *policy*: regions and keep-sets
+   relative to the block's first node. "No checkpoint" and "one region over the block" are
+   always policies.
+3. ``measure``: each policy is simulated on the whole graph at one *probe* block of its class
+   (every other block unplanned). That gives, exactly, its recompute cost, ``freed_bytes`` (how
+   much less is live from the end of the block's forward until its backward starts) and the
+   peaks of the block's forward window and backward window (backward and recompute events).
+4. ``choose``: blocks run in order and are differentiated in reverse order, so while block k
+   runs (either way) exactly the blocks before it hold their stored activations. With the
+   unplanned step's live bytes ``base(e)`` at each event e, the peak of an assignment is modelled
+   as ``max_e base(e) + own(e) - freed(blocks before e)``, ``own`` being the policy's change of
+   its own windows. A dynamic program over the blocks picks one policy per block:
+
+   ``front[k]`` = the Pareto set of (``freed`` units, recompute cost) over policy choices for
+   blocks ``0..k-1`` whose every event so far fits the budget; ``freed`` is the bytes those
+   blocks free, rounded *down* to ``unit`` bytes (so the model never counts more freed memory
+   than there is). Block k with policy p is allowed from a state when
+   ``window_peak(p) + offset(k) - freed ≤ budget`` for both of its windows, where ``offset(k)``
+   shifts the probe's windows to block k's place in the unplanned step.
+
+The assembled plan is simulated; if the additive model underestimated it (blocks that are not
+independent), the choice is redone with the budget lowered by the overshoot. The result is
+optimal only within this decomposition, so its status is ``feasible``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage
+from ckptplan.plan import Region
+from ckptplan.simulation import Report, simulate
+
+log = logging.getLogger(__name__)
+
+POLICY_BUDGETS = 5  # block budgets per ballast, evenly from its least to its unplanned peak
+BALLAST_SHARES = (0.0, 1.0, 4.0)  # the rest of the step, in the block's activation bytes
+FREED_UNITS = 4000  # resolution of the freed-bytes state of the choice DP
+MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan overshoots
+
+_INDEXED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")  # shortest "<parent>.<i>" prefix of a module path
+
+
+@dataclass(frozen=True)
+class Block:
+    """Nodes ``[start, end)``, all run by module ``path`` (or by its parents between its ops)."""
+
+    path: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class PolicyEffect:
+    """One policy measured at its class's probe block (see the module docstring)."""
+
+    regions: tuple[Region, ...]  # relative to the block's first node; keep-sets name the probe's nodes
+    cost_seconds: float
+    freed_bytes: int
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """Blocks in execution order, the class of each, per class its probe block and measured
+    policies, and per block each policy placed on it (None where its cuts are not valid)."""
+
+    blocks: tuple[Block, ...]
+    class_of: tuple[int, ...]
+    probes: tuple[int, ...]  # per class: the index into ``blocks`` of its probe block
+    policies: tuple[tuple[PolicyEffect, ...], ...]  # per class
+    placements: tuple[tuple[tuple[Region, ...] | None, ...], ...]  # per block, per policy of its class
+
+    def describe(self) -> str:
+        sizes = sorted({b.end - b.start for b in self.blocks})
+        counts = [self.class_of.count(c) for c in range(len(self.probes))]
+        return (
+            f"{len(self.blocks)} repeated blocks of {'/'.join(map(str, sizes))} nodes in {len(self.probes)} "
+            f"class(es) ({', '.join(map(str, counts))}), {sum(len(p) for p in self.policies)} block policies "
+            "from the flat ilp on one block per class, one policy per block chosen by dynamic programming"
+        )
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The unplanned step seen block by block: live bytes at each block's first forward event
+    and at its first backward event, per k the peak of the events outside blocks while blocks
+    0..k-1 hold their activations, and the live bytes at the last forward event."""
+
+    fwd_start: tuple[int, ...]
+    bwd_start: tuple[int, ...]
+    outside_peak: tuple[int, ...]  # len(blocks) + 1 entries
+    last_forward_live: int
+
+
+def find_blocks(graph: ComputeGraph) -> tuple[list[Block], list[int]]:
+    """Repeated blocks in execution order and the class of each (see the module docstring)."""
+    spans: dict[str, list[int]] = {}
+    for node in graph.nodes:
+        match = _INDEXED.match(node.module)
+        if match:
+            span = spans.setdefault(f"{match.group(1)}.{match.group(2)}", [node.index, node.index])
+            span[1] = node.index
+    families: dict[str, int] = {}
+    for path in spans:
+        parent = path.rsplit(".", 1)[0]
+        families[parent] = families.get(parent, 0) + 1
+    blocks = []
+    owner = [""] * len(graph.nodes)
+    for path, (first, last) in spans.items():
+        for i in range(first, last + 1):
+            owner[i] = path if not owner[i] else "!"
+    for path, (first, last) in sorted(spans.items(), key=lambda item: item[1][0]):
+        if families[path.rsplit(".", 1)[0]] < 2:
+            continue
+        own = all(owner[i] == path or not _INDEXED.match(graph.nodes[i].module) for i in range(first, last + 1))
+        if own and first in graph.boundaries and last + 1 in graph.boundaries:
+            blocks.append(Block(path, first, last + 1))
+    signatures: dict[tuple, int] = {}
+    return blocks, [signatures.setdefault(_signature(graph, b), len(signatures)) for b in blocks]
+
+
+def _signature(graph: ComputeGraph, block: Block) -> tuple:
+    def local(i: int) -> int:
+        return i - block.start if block.start <= i < block.end else -1
+
+    return tuple(
+        (
+            n.op, tuple(local(i) for i in n.inputs), tuple(local(i) for i in n.grad_inputs),
+            graph.new_bytes(n.index), graph.saved_bytes(n.index), n.output_bytes, n.fwd_flops, n.bwd_flops,
+            n.fwd_workspace_bytes, n.bwd_workspace_bytes, n.random, n.inplace, n.requires_grad,
+            n.grad_aliases_output, len(n.param_grads),
+        )
+        for n in graph.nodes[block.start:block.end]
+    )
+
+
+def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> ComputeGraph:
+    """The block's nodes as a graph of their own, for finding policies (they are measured on the
+    whole graph afterwards, so approximations here cost quality, never correctness). Storages
+    made before the block become resident inputs. One synthetic last node, ``ballast``, reads
+    the block's values that later nodes read and is the loss; it stands for the rest of the
+    step, holding ``ballast_bytes`` during its forward and its backward, so that what the
+    block stores until its backward weighs against the budget as it does among other blocks."""
+    lo, hi = block.start, block.end
+    used: list[int] = []
+    for node in graph.nodes[lo:hi]:
+        used.extend([*node.outputs, *node.saved, *node.param_grads])
+        used.extend(s.index for s in graph.produced_by(node.index))
+    remap = {s: k for k, s in enumerate(dict.fromkeys(used))}
+    storages = []
+    for s, k in remap.items():
+        old = graph.storages[s]
+        inside = lo <= old.producer < hi
+        kind = old.kind if inside or old.is_static else "input"
+        storages.append(Storage(k, old.nbytes, kind, old.producer - lo if inside else -1, old.trainable))
+    nodes = [
+        replace(
+            node,
+            index=node.index - lo,
+            inputs=tuple(i - lo for i in node.inputs if i >= lo),
+            outputs=tuple(remap[s] for s in node.outputs),
+            saved=tuple(remap[s] for s in node.saved),
+            grad_inputs=tuple(i - lo for i in node.grad_inputs if i >= lo),
+            param_grads=tuple(remap[s] for s in node.param_grads),
+        )
+        for node in graph.nodes[lo:hi]
+    ]
+    read_later = tuple(i - lo for i in range(lo, hi) if any(u >= hi for u in graph.users[i]) or i in graph.outputs)
+    nodes.append(
+        Node(
+            index=hi - lo, name="ballast", op="ballast", module="", inputs=read_later, outputs=(), saved=(),
+            grad_inputs=tuple(i for i in read_later if nodes[i].requires_grad), requires_grad=True,
+            fwd_workspace_bytes=ballast_bytes, bwd_workspace_bytes=ballast_bytes,
+        )
+    )
+    trainable = sum(s.nbytes for s in storages if s.kind == "param" and s.trainable)
+    static = StaticMemory(
+        param_bytes=sum(s.nbytes for s in storages if s.kind == "param"),
+        buffer_bytes=sum(s.nbytes for s in storages if s.kind == "buffer"),
+        input_bytes=sum(s.nbytes for s in storages if s.kind == "input"),
+        grad_bytes=trainable,
+    )
+    return ComputeGraph(
+        name=f"{graph.name}:{block.path}", nodes=tuple(nodes), storages=tuple(storages), static=static,
+        outputs=(hi - lo,), loss_nodes=(hi - lo,), trace=graph.trace,
+    )
+
+
+def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list[tuple[Region, ...]]:
+    """Candidate policies for ``block`` (relative regions, keep-sets naming the block's nodes):
+    none, one region over the block, and the flat ilp's plans of ``block_graph`` at
+    ``POLICY_BUDGETS`` budgets between its least and its unplanned peak, for each ballast of
+    ``BALLAST_SHARES`` × the block's activation bytes (0 favours a low peak inside the block,
+    more favours storing little for the rest of the step)."""
+    from ckptplan.solvers.ilp import solve_flat  # ilp imports this module for large graphs
+
+    length = block.end - block.start
+    found: list[tuple[Region, ...]] = [(), (Region(0, length),)]
+    activation = sum(graph.saved_bytes(i) for i in range(block.start, block.end))
+    per_solve = seconds / (len(BALLAST_SHARES) * (POLICY_BUDGETS + 1))
+    for share in BALLAST_SHARES:
+        sub = block_graph(graph, block, int(share * activation))
+        top = sub.baseline_peak_bytes
+        try:
+            solve_flat(sub, sub.static.resident_bytes, time_limit=per_solve, warm=())
+            least = sub.static.resident_bytes
+        except InfeasibleBudgetError as error:
+            least = error.min_peak_bytes
+        for k in range(POLICY_BUDGETS):
+            budget = least + (top - least) * k // POLICY_BUDGETS
+            try:
+                plan = solve_flat(sub, budget, time_limit=per_solve)
+            except InfeasibleBudgetError:
+                continue
+            clipped = tuple(
+                Region(r.start, min(r.end, length), keep=r.keep) for r in plan.regions if r.start < length
+            )
+            if all(not r.children for r in clipped):
+                found.append(clipped)
+    return list(dict.fromkeys(found))
+
+
+def shift(graph: ComputeGraph, policy: tuple[Region, ...], source: Block, target: Block) -> tuple[Region, ...] | None:
+    """``policy`` (regions relative to ``source``, keep-sets naming ``source``'s nodes) placed on
+    ``target``; None when its region edges are not valid cuts there."""
+    regions = []
+    for region in policy:
+        start, end = target.start + region.start, target.start + region.end
+        if start not in graph.boundaries or end not in graph.boundaries:
+            return None
+        keep = tuple(
+            graph.nodes[graph.index_of[name] - source.start + target.start].name for name in region.keep
+        )
+        regions.append(Region(start, end, keep=keep))
+    return tuple(regions)
+
+
+def measure(graph: ComputeGraph, block: Block, placed: tuple[Region, ...], windows: Windows) -> PolicyEffect:
+    """Simulate ``placed`` (a policy already placed on ``block``) with every other block unplanned."""
+    report = simulate(graph, placed)
+    fwd = bwd = last_forward_live = 0
+    for event in report.timeline:
+        inside = block.start <= event.node < block.end
+        if event.phase == "forward":
+            last_forward_live = event.live_bytes
+            if inside:
+                fwd = max(fwd, event.live_bytes)
+        elif inside:
+            bwd = max(bwd, event.live_bytes)
+    relative = tuple(Region(r.start - block.start, r.end - block.start, keep=r.keep) for r in placed)
+    return PolicyEffect(relative, report.recompute_seconds, windows.last_forward_live - last_forward_live, fwd, bwd)
+
+
+def block_windows(blocks: Sequence[Block], base: Report) -> Windows:
+    """``Windows`` of the unplanned step ``base``."""
+    starts = [b.start for b in blocks]
+    fwd_start: dict[int, int] = {}
+    bwd_start: dict[int, int] = {}
+    outside = [0] * (len(blocks) + 1)
+    last_forward_live = 0
+    for event in base.timeline:
+        k = bisect.bisect_right(starts, event.node) - 1  # the last block starting at or before the node
+        if k >= 0 and event.node < blocks[k].end:
+            target = fwd_start if event.phase == "forward" else bwd_start
+            target.setdefault(k, event.live_bytes)
+        else:
+            outside[k + 1] = max(outside[k + 1], event.live_bytes)
+        if event.phase == "forward":
+            last_forward_live = event.live_bytes
+    return Windows(
+        tuple(fwd_start[k] for k in range(len(blocks))),
+        tuple(bwd_start.get(k, 0) for k in range(len(blocks))),
+        tuple(outside),
+        last_forward_live,
+    )
+
+
+def decompose(graph: ComputeGraph, *, seconds: float) -> tuple[Decomposition, Windows] | None:
+    """Blocks, their policies and measured effects; None when the graph has no repeated blocks."""
+    blocks, class_of = find_blocks(graph)
+    if not blocks:
+        return None
+    windows = block_windows(blocks, simulate(graph, ()))
+    classes = max(class_of) + 1
+    probes, policies = [], []
+    for c in range(classes):
+        members = [k for k, cls in enumerate(class_of) if cls == c]
+        probe = members[len(members) // 2]
+        probes.append(probe)
+        effects = []
+        for policy in block_policies(graph, blocks[probe], seconds=seconds / classes):
+            placed = shift(graph, policy, blocks[probe], blocks[probe])
+            if placed is not None:
+                effects.append(measure(graph, blocks[probe], placed, windows))
+        policies.append(tuple(effects))
+    placements = tuple(
+        tuple(shift(graph, e.regions, blocks[probes[c]], block) for e in policies[c])
+        for block, c in zip(blocks, class_of)
+    )
+    dec = Decomposition(tuple(blocks), tuple(class_of), tuple(probes), tuple(policies), placements)
+    return dec, windows
+
+
+def choose(dec: Decomposition, windows: Windows, budget_bytes: int) -> list[int] | None:
+    """One policy index per block minimising total recompute cost under the additive model
+    (``front`` as defined in the module docstring); None when no choice fits."""
+    most_freed = sum(max(0, *(e.freed_bytes for e in dec.policies[c])) for c in dec.class_of)
+    unit = max(1, math.ceil(most_freed / FREED_UNITS))
+    front: list[tuple[int, float, tuple | None]] = [(0, 0.0, None)]  # (freed units, cost, choices)
+    for k in range(len(dec.blocks) + 1):
+        front = [s for s in front if windows.outside_peak[k] - s[0] * unit <= budget_bytes]
+        if k == len(dec.blocks) or not front:
+            break
+        c = dec.class_of[k]
+        fwd_offset = windows.fwd_start[k] - windows.fwd_start[dec.probes[c]]
+        bwd_offset = windows.bwd_start[k] - windows.bwd_start[dec.probes[c]]
+        best: dict[int, tuple[float, tuple]] = {}
+        for freed, cost, choices in front:
+            for p, effect in enumerate(dec.policies[c]):
+                if dec.placements[k][p] is None:
+                    continue
+                peak = max(effect.fwd_peak_bytes + fwd_offset, effect.bwd_peak_bytes + bwd_offset)
+                if peak - freed * unit > budget_bytes:
+                    continue
+                state = freed + math.floor(effect.freed_bytes / unit)
+                total = cost + effect.cost_seconds
+                if state not in best or total < best[state][0]:
+                    best[state] = (total, (choices, p))
+        front, cheapest = [], math.inf
+        for state in sorted(best, reverse=True):  # Pareto: keep a state only if cheaper than all freeing more
+            total, choices = best[state]
+            if total < cheapest:
+                front.append((state, total, choices))
+                cheapest = total
+    if not front:
+        return None
+    _, _, choices = min(front, key=lambda s: (s[1], -s[0]))
+    picked: list[int] = []
+    while choices is not None:
+        choices, p = choices
+        picked.append(p)
+    return picked[::-1]
+
+
+def assemble(dec: Decomposition, picked: Sequence[int]) -> tuple[Region, ...]:
+    """The whole graph's regions for one policy index per block."""
+    return tuple(r for k, p in enumerate(picked) for r in dec.placements[k][p] or ())
+
+
+def solve_blocks(
+    graph: ComputeGraph, budget_bytes: int, dec: Decomposition, windows: Windows
+) -> tuple[tuple[Region, ...], Report, int] | None:
+    """The cheapest assembled plan that ``simulate`` confirms within ``budget_bytes``: choose,
+    simulate, and on an overshoot choose again below the budget by that much (at most
+    ``MAX_REPAIRS`` times). Returns (regions, report, repairs) or None."""
+    target = budget_bytes
+    for repairs in range(MAX_REPAIRS + 1):
+        picked = choose(dec, windows, target)
+        if picked is None:
+            return None
+        regions = assemble(dec, picked)
+        report = simulate(graph, regions)
+        if report.peak_bytes <= budget_bytes:
+            return regions, report, repairs
+        log.info("block plan overshoots by %d bytes; choosing again below the budget", report.peak_bytes - budget_bytes)
+        target -= report.peak_bytes - budget_bytes
+    return None
+
+
+def least_peak(graph: ComputeGraph, dec: Decomposition, windows: Windows) -> int:
+    """The least simulated peak of a plan the choice reaches (bisection on its budget)."""
+    lo, hi = graph.static.resident_bytes, graph.baseline_peak_bytes
+    best = hi
+    while hi - lo > max(1, (graph.baseline_peak_bytes - graph.static.resident_bytes) >> 12):
+        mid = (lo + hi) // 2
+        picked = choose(dec, windows, mid)
+        if picked is None:
+            lo = mid
+            continue
+        hi = mid
+        best = min(best, simulate(graph, assemble(dec, picked)).peak_bytes)
+    return best
