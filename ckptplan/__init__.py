@@ -25,6 +25,7 @@ from ckptplan.errors import (
 )
 from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage
 from ckptplan.plan import Plan, Region, load_plan
+from ckptplan.sharding import ShardSpec
 from ckptplan.units import format_bytes, parse_budget
 
 __version__ = "0.1.0"
@@ -53,6 +54,7 @@ __all__ = [
     "Plan",
     "PlanFormatError",
     "Region",
+    "ShardSpec",
     "StaticMemory",
     "Storage",
     "TraceError",

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import networkx
 
+    from ckptplan.sharding import ShardLayout
+
 StorageKind = Literal["activation", "hidden", "input", "param", "buffer"]
 STATIC_KINDS: frozenset[str] = frozenset({"input", "param", "buffer"})
 
@@ -125,6 +127,10 @@ class ComputeGraph:
     loss_nodes: tuple[int, ...]
     inputs: tuple[TensorSpec, ...] = ()
     trace: str = "export"
+    # Set by ``ckptplan.sharding.shard_graph``: the layout one rank's memory follows, and the
+    # static memory before sharding (which the fingerprint keeps using).
+    sharding: ShardLayout | None = None
+    unsharded_static: StaticMemory | None = None
     traced: Any = field(default=None, compare=False, repr=False, hash=False)
     model: Any = field(default=None, compare=False, repr=False, hash=False)
 
@@ -211,14 +217,16 @@ class ComputeGraph:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Stable hash of structure, sizes and dtypes: equal for the same model and input shapes."""
+        """Stable hash of structure, sizes and dtypes: equal for the same model and input shapes
+        (sharded or not)."""
+        static = self.unsharded_static or self.static
         payload = {
             "nodes": [
                 [n.name, n.op, n.inputs, [self.storages[s].nbytes for s in n.outputs], n.output_bytes]
                 for n in self.nodes
             ],
             "inputs": [[list(t.shape), t.dtype] for t in self.inputs],
-            "static": [self.static.param_bytes, self.static.buffer_bytes, self.static.grad_bytes],
+            "static": [static.param_bytes, static.buffer_bytes, static.grad_bytes],
         }
         blob = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

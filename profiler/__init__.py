@@ -16,9 +16,11 @@ import torch
 from torch import nn
 
 from ckptplan.graph import ComputeGraph, TensorSpec
+from ckptplan.sharding import ShardSpec, shard_graph
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.loss import loss_leaves, training_loss
 from ckptplan.profiler.record import record_graph
+from ckptplan.profiler.shard import shard_layout
 from ckptplan.profiler.static import static_memory
 from ckptplan.profiler.trace import TraceMode, trace_model
 
@@ -35,12 +37,14 @@ def profile(
     trace: TraceMode = "export",
     optimizer: str | None = None,
     roofline: Roofline = A100,
+    shard: ShardSpec | None = None,
 ) -> ComputeGraph:
     """Trace ``model(*args, **kwargs)`` for one training step and annotate it for planning.
 
     Works on real tensors and on the ``meta`` device alike: the graph is executed on fake
     tensors, so nothing is allocated and the model's parameters and buffers are not touched.
     ``optimizer`` (``"adamw"``, ``"adam"``, ``"sgd"`` or None) adds its state to resident memory.
+    ``shard``: plan one rank of a sharded data-parallel group (``ckptplan.sharding``).
     """
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     started = time.perf_counter()
@@ -64,6 +68,8 @@ def profile(
         traced=traced.gm,
         model=model,
     )
+    if shard is not None:
+        graph = shard_graph(graph, shard_layout(model, graph, shard))
     log.info(
         "profiled %s: %d nodes, trace %.1fs, total %.1fs",
         graph.name, len(graph.nodes), traced_seconds, time.perf_counter() - started,

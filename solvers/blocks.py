@@ -4,10 +4,8 @@ A transformer traced at aten level repeats one block's ops once per layer (a 96-
 graph has about 4,600 nodes). The flat ilp model grows as nodes × region width, yet the decision
 is made per block. So, in four steps:
 
-1. ``find_blocks``: a *block* is the execution-order range of one module ``<path>.<i>`` (a child of
-   a ``ModuleList`` or ``Sequential``) whose family has at least two members; blocks whose node
-   signatures (ops, edges inside the block, bytes, FLOPs) are equal form a *class* (the first
-   block of a stack often differs a little, and is a class of its own).
+1. ``ckptplan.repeats.find_blocks``: the repeated blocks (modules ``<path>.<i>``) and their
+   classes (blocks whose nodes match op for op and byte for byte).
 2. ``block_policies``: for each class, one block is solved as a graph of its own (``block_graph``)
    by the flat ``ilp`` at several budgets. Each plan found is a *policy*: regions and keep-sets
    relative to the block's first node. "No checkpoint" and "one region over the block" are
@@ -39,13 +37,13 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage
 from ckptplan.plan import Region
+from ckptplan.repeats import Block, find_blocks
 from ckptplan.simulation import Report, simulate
 
 log = logging.getLogger(__name__)
@@ -54,17 +52,6 @@ POLICY_BUDGETS = 5  # block budgets per ballast, evenly from its least to its un
 BALLAST_SHARES = (0.0, 1.0, 4.0)  # the rest of the step, in the block's activation bytes
 FREED_UNITS = 4000  # resolution of the freed-bytes state of the choice DP
 MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan overshoots
-
-_INDEXED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")  # shortest "<parent>.<i>" prefix of a module path
-
-
-@dataclass(frozen=True)
-class Block:
-    """Nodes ``[start, end)``, all run by module ``path`` (or by its parents between its ops)."""
-
-    path: str
-    start: int
-    end: int
 
 
 @dataclass(frozen=True)
@@ -109,48 +96,6 @@ class Windows:
     bwd_start: tuple[int, ...]
     outside_peak: tuple[int, ...]  # len(blocks) + 1 entries
     last_forward_live: int
-
-
-def find_blocks(graph: ComputeGraph) -> tuple[list[Block], list[int]]:
-    """Repeated blocks in execution order and the class of each (see the module docstring)."""
-    spans: dict[str, list[int]] = {}
-    for node in graph.nodes:
-        match = _INDEXED.match(node.module)
-        if match:
-            span = spans.setdefault(f"{match.group(1)}.{match.group(2)}", [node.index, node.index])
-            span[1] = node.index
-    families: dict[str, int] = {}
-    for path in spans:
-        parent = path.rsplit(".", 1)[0]
-        families[parent] = families.get(parent, 0) + 1
-    blocks = []
-    owner = [""] * len(graph.nodes)
-    for path, (first, last) in spans.items():
-        for i in range(first, last + 1):
-            owner[i] = path if not owner[i] else "!"
-    for path, (first, last) in sorted(spans.items(), key=lambda item: item[1][0]):
-        if families[path.rsplit(".", 1)[0]] < 2:
-            continue
-        own = all(owner[i] == path or not _INDEXED.match(graph.nodes[i].module) for i in range(first, last + 1))
-        if own and first in graph.boundaries and last + 1 in graph.boundaries:
-            blocks.append(Block(path, first, last + 1))
-    signatures: dict[tuple, int] = {}
-    return blocks, [signatures.setdefault(_signature(graph, b), len(signatures)) for b in blocks]
-
-
-def _signature(graph: ComputeGraph, block: Block) -> tuple:
-    def local(i: int) -> int:
-        return i - block.start if block.start <= i < block.end else -1
-
-    return tuple(
-        (
-            n.op, tuple(local(i) for i in n.inputs), tuple(local(i) for i in n.grad_inputs),
-            graph.new_bytes(n.index), graph.saved_bytes(n.index), n.output_bytes, n.fwd_flops, n.bwd_flops,
-            n.fwd_workspace_bytes, n.bwd_workspace_bytes, n.random, n.inplace, n.requires_grad,
-            n.grad_aliases_output, len(n.param_grads),
-        )
-        for n in graph.nodes[block.start:block.end]
-    )
 
 
 def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> ComputeGraph:

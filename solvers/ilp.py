@@ -38,6 +38,7 @@ WARM_SOLVERS = ("dp", "sqrt")
 # CP-SAT's deterministic clock ran at 0.4-0.6 of wall time on the examples here (2 cores); a
 # limit of 0.3 of the time left stops the search on that clock well before the wall clock.
 DETERMINISTIC_SECONDS_PER_SECOND = 0.3
+MIN_WALL_SECONDS = 1.0  # the wall-clock backup of even the shortest search
 LNS_WINDOW = 24  # nodes whose decisions one local-search step frees
 LNS_DETERMINISTIC_SECONDS = 1.0  # deterministic-time limit of one local-search step
 GLOBAL_SHARE = 0.5  # of the time left after warm starts: the whole-model search; the rest is local
@@ -185,7 +186,7 @@ def _sweeps(
             solver.parameters.num_workers = 1
             solver.parameters.random_seed = seed
             solver.parameters.max_deterministic_time = min(LNS_DETERMINISTIC_SECONDS, clock)
-            solver.parameters.max_time_in_seconds = max(0.1, deadline - time.perf_counter())
+            solver.parameters.max_time_in_seconds = max(MIN_WALL_SECONDS, deadline - time.perf_counter())
             code = solve_keeping_sigint(solver, sub)
             clock -= solver.ResponseProto().deterministic_time
             if _interrupted(solver):
@@ -252,8 +253,10 @@ def _configure(
     """Limits and search parameters. One worker stopped by CP-SAT's deterministic clock finds the
     same plan on every run: callers give it ``DETERMINISTIC_SECONDS_PER_SECOND`` of the time they
     were *asked* to take (never of what is left, which depends on the machine's load), and the
-    wall-clock limit only backs it up. More workers search better but not reproducibly."""
-    solver.parameters.max_time_in_seconds = max(0.1, wall_seconds)
+    wall-clock limit only backs it up (at least ``MIN_WALL_SECONDS``, so that a short search on a
+    loaded machine still ends on its deterministic clock). More workers search better but not
+    reproducibly."""
+    solver.parameters.max_time_in_seconds = max(MIN_WALL_SECONDS, wall_seconds)
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
     if workers == 1:

@@ -11,6 +11,7 @@ import torch
 
 import ckptplan
 from ckptplan.profiler.loss import training_loss
+from ckptplan.repeats import find_blocks
 from ckptplan.simulation import simulate
 from ckptplan.solvers import blocks
 from ckptplan.solvers.ilp import FLAT_MAX_NODES, solve_hierarchical
@@ -36,7 +37,7 @@ def gpt() -> tuple[torch.nn.Module, tuple, ckptplan.ComputeGraph]:
 
 def test_blocks_are_the_transformer_layers(gpt) -> None:
     _, _, graph = gpt
-    found, class_of = blocks.find_blocks(graph)
+    found, class_of = find_blocks(graph)
     assert [b.path for b in found] == [f"blocks.{i}" for i in range(6)]
     assert all(a.end == b.start for a, b in zip(found, found[1:]))  # consecutive layers, nothing between
     assert len(set(b.end - b.start for b in found)) == 1
@@ -46,14 +47,14 @@ def test_blocks_are_the_transformer_layers(gpt) -> None:
 
 
 def test_graphs_without_module_paths_have_no_blocks() -> None:
-    assert blocks.find_blocks(without_modules(chain_graph([100] * 12))) == ([], [])
+    assert find_blocks(without_modules(chain_graph([100] * 12))) == ([], [])
     # chain_graph names its linear nodes layers.0, layers.1, ...: one-node blocks between ReLUs
-    assert [(b.start, b.end) for b in blocks.find_blocks(chain_graph([100] * 6))[0]] == [(0, 1), (2, 3), (4, 5)]
+    assert [(b.start, b.end) for b in find_blocks(chain_graph([100] * 6))[0]] == [(0, 1), (2, 3), (4, 5)]
 
 
 def test_block_graph_is_a_graph_of_its_own_with_the_ballast_as_loss(gpt) -> None:
     _, _, graph = gpt
-    block = blocks.find_blocks(graph)[0][2]
+    block = find_blocks(graph)[0][2]
     sub = blocks.block_graph(graph, block, ballast_bytes=10**6)
     assert len(sub.nodes) == block.end - block.start + 1
     assert sub.loss_nodes == (len(sub.nodes) - 1,) and sub.nodes[-1].name == "ballast"

@@ -1,0 +1,135 @@
+"""Per-rank memory under data-parallel sharding (ZeRO / FSDP2), as a transformed graph.
+
+With sharding, a rank's peak is no longer the model's: parameters, gradients and optimizer state
+are split ``degree`` ways, and the parameters of the unit being run are gathered whole for a
+while. ``shard_graph`` rewrites a ``ComputeGraph`` so that the simulator, and with it every solver,
+plans one rank's step; nothing else in ckptplan needs to know about sharding.
+
+Terms, following ZeRO (Rajbhandari et al. 2020, §5: stage 1 shards optimizer state, stage 2 also
+gradients, stage 3 also parameters) and FSDP2's ``fully_shard`` as it runs (measured with
+``FSDPMemTracker`` on 2 ranks here; see ``tests/test_sharding.py``). ``P`` is a unit's parameter
+bytes in the model's dtype, ``s`` the master copy's bytes per model byte (``master_dtype``: 2 for
+fp32 masters of a bf16 model, FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``), ``N`` the degree:
+
+* resident: sharded parameters ``s·P_all/N`` (stage 3) and optimizer state ``s·O/N`` (stages 1-3),
+  plus the root unit's gathered parameters, which FSDP2 keeps from the root's forward to the end
+  of backward;
+* gradients: each parameter's gradient, when backward first produces it, is its shard ``s·g/N``
+  (stages 2-3; reduce-scattered at the end of its unit's backward);
+* while unit k runs forward or is recomputed: its gathered parameters ``P_k``, plus ``P_{k-1}``
+  (the next unit in backward order, whose all-gather FSDP2 prefetches) and ``s·P_{k+1}`` (the
+  previous unit's reduce-scatter input, alive until the next reduce-scatter) — present during a
+  recomputation; counted in forward too, which overstates the forward by those two;
+* while unit k runs backward: ``P_k``, the prefetch and the reduce-scatter input as above, and
+  the unsharded gradients its backward has produced so far (up to ``P_k``);
+* stage 2 (no units): each node's backward also holds its parameters' unsharded gradients until
+  they are reduce-scattered.
+
+Units are the modules FSDP wraps one by one (``fully_shard`` per transformer block): by default the
+graph's repeated blocks (``ckptplan.repeats``); everything else is the root unit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ckptplan.errors import CkptPlanError
+
+if TYPE_CHECKING:
+    from ckptplan.graph import ComputeGraph
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How the training state is split across the ranks of one data-parallel group.
+
+    ``degree``: ranks sharing it. ``stage``: ZeRO stage (1, 2 or 3; FSDP2 ``fully_shard`` is 3).
+    ``master_dtype``: the dtype sharded parameters, their gradients and the optimizer state are
+    kept in, when the model (as profiled) computes in a lower one (FSDP2 mixed precision); None:
+    the model's own. ``units``: module paths wrapped as units (default: the repeated blocks).
+    """
+
+    degree: int
+    stage: int = 3
+    master_dtype: str | None = None
+    units: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.degree < 1:
+            raise CkptPlanError(f"The shard degree must be at least 1, got {self.degree}.")
+        if self.stage not in (1, 2, 3):
+            raise CkptPlanError(f"The ZeRO stage must be 1, 2 or 3, got {self.stage}.")
+        if self.master_dtype is not None and self.stage != 3:
+            raise CkptPlanError("A master dtype needs stage 3 (FSDP2 mixed precision); drop it or use stage 3.")
+
+    def describe(self) -> str:
+        master = f", {self.master_dtype} masters" if self.master_dtype else ""
+        return f"ZeRO-{self.stage} over {self.degree} ranks{master}"
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """One FSDP unit: module ``path`` runs nodes ``[start, end)`` and owns ``param_bytes``."""
+
+    path: str
+    start: int
+    end: int
+    param_bytes: int
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What ``shard_graph`` needs: the spec, the units in execution order, the root unit's
+    parameter bytes, and ``master_scale`` (bytes of the master copy per byte of model parameter)."""
+
+    spec: ShardSpec
+    units: tuple[ShardUnit, ...]
+    root_param_bytes: int
+    master_scale: float = 1.0
+
+
+def shard_graph(graph: ComputeGraph, layout: ShardLayout) -> ComputeGraph:
+    """``graph`` as one rank of ``layout`` sees it (terms in the module docstring). The result
+    keeps the unsharded graph's fingerprint: plans apply to the model either way."""
+    spec, n, s = layout.spec, layout.spec.degree, layout.master_scale
+    static = graph.static
+
+    def shard(nbytes: int) -> int:
+        return math.ceil(nbytes * s / n)
+
+    storages = graph.storages
+    if spec.stage >= 2:
+        storages = tuple(replace(st, nbytes=shard(st.nbytes)) if st.kind == "param" else st for st in storages)
+    nodes = list(graph.nodes)
+    if spec.stage == 3:
+        for k, unit in enumerate(layout.units):
+            before = layout.units[k - 1].param_bytes if k > 0 else 0
+            after = math.ceil(s * layout.units[k + 1].param_bytes) if k + 1 < len(layout.units) else 0
+            around = unit.param_bytes + before + after
+            unsharded_grads = 0
+            for i in reversed(range(unit.start, unit.end)):  # backward order
+                node = nodes[i]
+                unsharded_grads += sum(graph.storages[p].nbytes for p in node.param_grads)
+                nodes[i] = replace(
+                    node,
+                    fwd_workspace_bytes=node.fwd_workspace_bytes + around,
+                    bwd_workspace_bytes=node.bwd_workspace_bytes + around + unsharded_grads,
+                )
+    elif spec.stage == 2:
+        for i, node in enumerate(nodes):
+            unsharded = sum(graph.storages[p].nbytes for p in node.param_grads)
+            nodes[i] = replace(node, bwd_workspace_bytes=node.bwd_workspace_bytes + unsharded)
+    param_bytes = static.param_bytes
+    if spec.stage == 3:
+        param_bytes = shard(static.param_bytes) + layout.root_param_bytes
+    sharded_static = replace(
+        static,
+        param_bytes=param_bytes,
+        grad_bytes=sum(st.nbytes for st in storages if st.kind == "param" and st.trainable),
+        optimizer_bytes=shard(static.optimizer_bytes),
+    )
+    return replace(
+        graph, nodes=tuple(nodes), storages=storages, static=sharded_static, sharding=layout, unsharded_static=static
+    )

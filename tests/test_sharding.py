@@ -1,0 +1,131 @@
+"""Sharded data parallelism (``ckptplan.sharding``): the per-rank memory terms, and the per-rank
+peak predicted for FSDP2 (``fully_shard`` per block, 2 ranks, gloo on CPU) against MemTracker."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import ckptplan
+from ckptplan.errors import CkptPlanError
+from ckptplan.simulation import simulate
+
+WIDTH, LAYERS, BATCH = 256, 4, 512
+
+
+def stack() -> tuple[nn.Sequential, torch.Tensor]:
+    """Blocks of Linear-Tanh-Linear-Tanh: FSDP2 wraps each block as a unit."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)]
+    return nn.Sequential(*blocks), torch.randn(BATCH, WIDTH)
+
+
+def test_spec_rejects_what_it_cannot_model() -> None:
+    with pytest.raises(CkptPlanError, match="at least 1"):
+        ckptplan.ShardSpec(0)
+    with pytest.raises(CkptPlanError, match="1, 2 or 3"):
+        ckptplan.ShardSpec(8, stage=4)
+    with pytest.raises(CkptPlanError, match="stage 3"):
+        ckptplan.ShardSpec(8, stage=1, master_dtype="float32")
+
+
+def test_static_terms_are_divided_by_the_degree() -> None:
+    model, x = stack()
+    whole = ckptplan.profile(model, (x,), optimizer="adamw")
+    unit_bytes = sum(p.numel() * 4 for p in model[0].parameters())
+    for stage in (1, 2, 3):
+        rank = ckptplan.profile(model, (x,), optimizer="adamw", shard=ckptplan.ShardSpec(4, stage=stage))
+        assert rank.fingerprint == whole.fingerprint  # a plan applies to the model either way
+        assert rank.static.optimizer_bytes == -(-whole.static.optimizer_bytes // 4)
+        sharded_grads = stage >= 2
+        assert rank.static.grad_bytes == (whole.static.grad_bytes // 4 if sharded_grads else whole.static.grad_bytes)
+        assert rank.static.param_bytes == (whole.static.param_bytes // 4 if stage == 3 else whole.static.param_bytes)
+    rank = ckptplan.profile(model, (x,), shard=ckptplan.ShardSpec(4))
+    assert [(u.path, u.param_bytes) for u in rank.sharding.units] == [(str(i), unit_bytes) for i in range(LAYERS)]
+    # A unit's gathered parameters are live while it runs: its first op sees them and its neighbours'.
+    first = rank.sharding.units[1].start
+    assert rank.nodes[first].fwd_workspace_bytes - whole.nodes[first].fwd_workspace_bytes == 3 * unit_bytes
+
+
+def test_master_dtype_counts_fp32_copies_of_a_bf16_model() -> None:
+    model, x = stack()
+    model = model.to(torch.bfloat16)
+    x = x.to(torch.bfloat16)
+    bf16 = ckptplan.profile(model, (x,), optimizer="adamw", shard=ckptplan.ShardSpec(2))
+    mixed = ckptplan.profile(model, (x,), optimizer="adamw", shard=ckptplan.ShardSpec(2, master_dtype="float32"))
+    assert mixed.sharding.master_scale == 2.0
+    assert mixed.static.grad_bytes == 2 * bf16.static.grad_bytes
+    assert mixed.static.optimizer_bytes == pytest.approx(2 * bf16.static.optimizer_bytes, rel=1e-3)
+
+
+def test_unknown_units_are_one_clear_error() -> None:
+    model, x = stack()
+    with pytest.raises(CkptPlanError, match="no module 'layers.0'"):
+        ckptplan.profile(model, (x,), shard=ckptplan.ShardSpec(2, units=("layers.0",)))
+
+
+# ------------------------------------------------------------------ FSDP2 on two ranks, measured
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_peaks(rank: int, world: int, port: int, checkpointed: bool, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.utils.checkpoint import checkpoint
+
+        from ckptplan.profiler.loss import training_loss
+
+        class Checkpointed(nn.Module):
+            def __init__(self, block: nn.Module) -> None:
+                super().__init__()
+                self.block = block
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return checkpoint(self.block, x, use_reentrant=False)
+
+        model, x = stack()
+        if checkpointed:
+            for i in range(LAYERS):
+                model[i] = Checkpointed(model[i])
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for _ in range(2):  # the second step is the steady state a training loop sees
+            for p in model.parameters():
+                p.grad = None
+            tracker = MemTracker()
+            tracker.track_external(model, x)
+            with tracker:
+                training_loss(model(x)).backward()
+        out[rank] = int(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["no-checkpoint", "block-checkpoint"])
+def test_per_rank_peak_matches_fsdp2_on_two_ranks(checkpointed: bool) -> None:
+    model, x = stack()
+    graph = ckptplan.profile(model, (x,), shard=ckptplan.ShardSpec(2))
+    regions = [ckptplan.Region(u.start, u.end) for u in graph.sharding.units] if checkpointed else []
+    predicted = simulate(graph, regions).peak_bytes
+    with mp.Manager() as manager:
+        peaks = manager.dict()
+        mp.spawn(_rank_peaks, args=(2, _free_port(), checkpointed, peaks), nprocs=2)
+        measured = dict(peaks)
+    for rank in (0, 1):
+        assert abs(predicted - measured[rank]) <= 0.03 * measured[rank], (rank, measured[rank], predicted)
