@@ -16,6 +16,7 @@ from ckptplan.plan import (
     Plan,
     Prediction,
     Region,
+    ShardingInfo,
     SolverInfo,
 )
 from ckptplan.simulation import Report, build_region_tree, simulate
@@ -60,6 +61,7 @@ def make_plan(
             fingerprint=graph.fingerprint,
             inputs=tuple(InputInfo(shape=t.shape, dtype=t.dtype) for t in graph.inputs),
             node_count=len(graph.nodes),
+            sharding=_sharding(graph),
         ),
         budget=budget or BudgetInfo(requested=str(report.peak_bytes), bytes=report.peak_bytes),
         solver=solver or SolverInfo(name="manual", status="feasible", seconds=0.0),
@@ -67,6 +69,15 @@ def make_plan(
         regions=regions,
         nodes=_decisions(graph, regions, _region_input_bytes(graph, [top.input_storages for top in tops])),
     )
+
+
+def _sharding(graph: ComputeGraph) -> ShardingInfo | None:
+    layout = graph.sharding
+    if layout is None:
+        return None
+    spec = layout.spec
+    return ShardingInfo(degree=spec.degree, stage=spec.stage, master_dtype=spec.master_dtype,
+                        units=tuple(u.path for u in layout.units))
 
 
 def _region_input_bytes(graph: ComputeGraph, input_storages: Sequence[Sequence[int]]) -> list[int]:

@@ -73,11 +73,22 @@ class InputInfo(_Frozen):
     dtype: str
 
 
+class ShardingInfo(_Frozen):
+    """The data-parallel sharding the plan was made for (``ckptplan.sharding``): the budget and
+    the prediction are one rank's. ``units``: module paths sharded one by one (FSDP units)."""
+
+    degree: int = Field(ge=1)
+    stage: int = Field(ge=1, le=3)
+    master_dtype: str | None = None
+    units: tuple[str, ...] = ()
+
+
 class ModelInfo(_Frozen):
     name: str
     fingerprint: str
     inputs: tuple[InputInfo, ...] = ()
     node_count: int = Field(ge=0)
+    sharding: ShardingInfo | None = None
 
 
 class BudgetInfo(_Frozen):

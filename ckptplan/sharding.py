@@ -64,10 +64,6 @@ class ShardSpec:
         if self.master_dtype is not None and self.stage != 3:
             raise CkptPlanError("A master dtype needs stage 3 (FSDP2 mixed precision); drop it or use stage 3.")
 
-    def describe(self) -> str:
-        master = f", {self.master_dtype} masters" if self.master_dtype else ""
-        return f"ZeRO-{self.stage} over {self.degree} ranks{master}"
-
 
 @dataclass(frozen=True)
 class ShardUnit:

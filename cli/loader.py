@@ -1,13 +1,15 @@
 """Model files: ``MODEL.py`` or ``MODEL.py:FUNC`` -> a model and its example inputs.
 
 A model file defines ``build()`` (or the function named after the colon) returning
-``(model, args)`` or ``(model, args, kwargs)``, or module-level ``model`` and ``example_inputs``.
+``(model, args)`` or ``(model, args, kwargs)``, or module-level ``model`` and ``example_inputs``;
+optionally ``TRAINING``, defaults for how it is trained (``optimizer``, ``master_dtype``).
 Every way this can go wrong is a ``ModelFileError`` with one sentence that says what to fix.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import itertools
 import re
@@ -47,6 +49,7 @@ class LoadedModel:
     model: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    training: dict[str, str] = field(default_factory=dict)  # the file's TRAINING defaults
 
 
 def parse_spec(text: str) -> ModelSpec:
@@ -65,7 +68,25 @@ def load_model(text: str) -> Iterator[LoadedModel]:
     spec = parse_spec(text)
     _check_file(spec)
     with _imported(spec) as module:
-        yield _build(spec, module)
+        loaded = _build(spec, module)
+        yield dataclasses.replace(loaded, training=_training(spec, module))
+
+
+TRAINING_KEYS = ("optimizer", "master_dtype")
+
+
+def _training(spec: ModelSpec, module: ModuleType) -> dict[str, str]:
+    """The optional module-level ``TRAINING`` dict: how the model is trained, used where the
+    command line does not say (``{"optimizer": "adamw", "master_dtype": "float32"}``)."""
+    training = getattr(module, "TRAINING", {})
+    if not isinstance(training, dict) or not all(isinstance(v, str) for v in training.values()):
+        raise ModelFileError(f"TRAINING in {str(spec.path)!r} must be a dict of strings, e.g. {{'optimizer': 'adamw'}}.")
+    unknown = sorted(set(training) - set(TRAINING_KEYS))
+    if unknown:
+        raise ModelFileError(
+            f"TRAINING in {str(spec.path)!r} has key {unknown[0]!r}; use only {', '.join(map(repr, TRAINING_KEYS))}."
+        )
+    return dict(training)
 
 
 def _check_file(spec: ModelSpec) -> None:

@@ -19,15 +19,17 @@ from rich.logging import RichHandler
 
 import ckptplan
 from ckptplan.cli.exits import EXIT_ERROR, exits_on_error
-from ckptplan.cli.loader import load_model
+from ckptplan.cli.loader import LoadedModel, load_model
 from ckptplan.cli.render import render_plan, render_profile, render_sweep, render_verification, stderr_console
 from ckptplan.cli.summary import summarize
-from ckptplan.plan import load_plan, plan_json_schema
 from ckptplan.errors import BudgetError
+from ckptplan.graph import ComputeGraph
+from ckptplan.plan import load_plan, plan_json_schema
 from ckptplan.planner.io import check_plan_target, save_plan
 from ckptplan.planner.sweep import check_plotting, plot_pareto
 from ckptplan.planner.sweep import sweep as run_sweep
 from ckptplan.planner.timeline_plot import plot_timeline
+from ckptplan.sharding import ShardSpec
 from ckptplan.solvers import available_solvers
 from ckptplan.solvers.registry import get_solver
 from ckptplan.units import check_budget
@@ -75,6 +77,26 @@ OptimizerOpt = Annotated[
 ]
 
 
+ShardDegreeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--shard-degree", min=1, metavar="N", show_default=False,
+        help="Plan one rank of N data-parallel ranks that shard the training state (FSDP2 / ZeRO); the budget is per rank.",
+    ),
+]
+ZeroStageOpt = Annotated[
+    int,
+    typer.Option("--zero-stage", min=1, max=3, help="With --shard-degree: 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP2)."),
+]
+MasterDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--master-dtype", metavar="DTYPE", show_default=False,
+        help="With --shard-degree: dtype of the sharded parameters, gradients and optimizer state when the model computes in a lower one (FSDP2 mixed precision), e.g. float32.",
+    ),
+]
+
+
 def _print_version(value: bool) -> None:
     # An eager option callback: it must act before click insists on a command.
     if value:
@@ -109,6 +131,9 @@ def solve(
     json_output: JsonOpt = False,
     trace: TraceOpt = TraceMode.export,
     optimizer: OptimizerOpt = None,
+    shard_degree: ShardDegreeOpt = None,
+    zero_stage: ZeroStageOpt = 3,
+    master_dtype: MasterDtypeOpt = None,
     time_limit: Annotated[
         float | None,
         typer.Option(min=0.0, metavar="SECONDS", help="Stop the solver after this long.", show_default=False),
@@ -122,9 +147,7 @@ def solve(
         check_plan_target(out, overwrite=force)
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
         log.info("profiling %s", loaded.source)
-        graph = ckptplan.profile(
-            loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=_optimizer_name(optimizer)
-        )
+        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype)
     log.info("solving %s (%d nodes) with %s", graph.name, len(graph.nodes), solver)
     with _progress(f"solving {graph.name} ({len(graph.nodes)} nodes) with {solver}"):
         plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit)
@@ -146,13 +169,14 @@ def profile(
     json_output: JsonOpt = False,
     trace: TraceOpt = TraceMode.export,
     optimizer: OptimizerOpt = None,
+    shard_degree: ShardDegreeOpt = None,
+    zero_stage: ZeroStageOpt = 3,
+    master_dtype: MasterDtypeOpt = None,
 ) -> None:
     """Show where one training step's memory and FLOPs go, per module and per op."""
     with load_model(model) as loaded:
         log.info("profiling %s", loaded.source)
-        graph = ckptplan.profile(
-            loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=_optimizer_name(optimizer)
-        )
+        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype)
     summary = summarize(graph)
     if json_output:
         _write_stdout(json.dumps(summary.to_dict(), indent=2) + "\n")
@@ -219,6 +243,9 @@ def sweep(
     json_output: JsonOpt = False,
     trace: TraceOpt = TraceMode.export,
     optimizer: OptimizerOpt = None,
+    shard_degree: ShardDegreeOpt = None,
+    zero_stage: ZeroStageOpt = 3,
+    master_dtype: MasterDtypeOpt = None,
 ) -> None:
     """Solve at several budgets and show the memory/recompute trade-off."""
     get_solver(solver)
@@ -231,9 +258,7 @@ def sweep(
         check_plotting()
         check_plan_target(plot, overwrite=True)
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
-        graph = ckptplan.profile(
-            loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=_optimizer_name(optimizer)
-        )
+        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype)
     with _progress(f"solving {graph.name} at {len(requested)} budgets"):
         points = run_sweep(graph, requested, solver=solver)
     if plot is not None:
@@ -270,8 +295,23 @@ def _progress(message: str) -> contextlib.AbstractContextManager:
     return console.status(message) if console.is_terminal else contextlib.nullcontext()
 
 
-def _optimizer_name(optimizer: Optimizer | None) -> str | None:
-    return None if optimizer is None else optimizer.value
+def _profile(
+    loaded: LoadedModel,
+    trace: TraceMode,
+    optimizer: Optimizer | None,
+    shard_degree: int | None,
+    zero_stage: int,
+    master_dtype: str | None,
+) -> ComputeGraph:
+    """Profile the loaded model as the options (or, where they are silent, its file's
+    ``TRAINING`` defaults) describe its training step."""
+    optimizer_name = optimizer.value if optimizer is not None else loaded.training.get("optimizer")
+    master_dtype = master_dtype or loaded.training.get("master_dtype")
+    shard = None
+    if shard_degree is not None:
+        shard = ShardSpec(shard_degree, stage=zero_stage, master_dtype=master_dtype if zero_stage == 3 else None)
+    return ckptplan.profile(loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=optimizer_name,
+                            shard=shard)
 
 
 def _write_stdout(text: str) -> None:

@@ -39,7 +39,7 @@ def render_plan(console: Console, plan: Plan) -> None:
     gap = "" if solver.gap is None else f", gap {solver.gap:.2%}"
     rows = [
         ("model", f"{plan.model.name} ({plan.model.node_count} nodes, fingerprint {plan.model.fingerprint})"),
-        ("budget", f"{plan.budget.requested} = {describe_bytes(plan.budget.bytes)}"),
+        ("budget", f"{plan.budget.requested} = {describe_bytes(plan.budget.bytes)}" + _per_rank(plan)),
         ("solver", f"{solver.name}: {solver.status} in {solver.seconds:.2f} s{gap}"),
     ]
     if solver.note:
@@ -140,6 +140,14 @@ def _facts(rows: Sequence[tuple[str, str]]) -> Table:
     for label, value in rows:
         grid.add_row(label, Text(value))
     return grid
+
+
+def _per_rank(plan: Plan) -> str:
+    sharding = plan.model.sharding
+    if sharding is None:
+        return ""
+    master = f", {sharding.master_dtype} masters" if sharding.master_dtype else ""
+    return f" per rank (ZeRO-{sharding.stage} over {sharding.degree} ranks{master}, {len(sharding.units)} units)"
 
 
 def _peak_line(peak_bytes: int, baseline_peak_bytes: int) -> str:

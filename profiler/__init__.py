@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from ckptplan.graph import ComputeGraph, TensorSpec
-from ckptplan.sharding import ShardSpec, shard_graph
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.loss import loss_leaves, training_loss
 from ckptplan.profiler.record import record_graph
 from ckptplan.profiler.shard import shard_layout
 from ckptplan.profiler.static import static_memory
 from ckptplan.profiler.trace import TraceMode, trace_model
+from ckptplan.sharding import ShardSpec, shard_graph
 
 log = logging.getLogger(__name__)
 

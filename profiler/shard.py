@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -28,7 +30,7 @@ def shard_layout(model: nn.Module, graph: ComputeGraph, spec: ShardSpec) -> Shar
             raise CkptPlanError(f"Module {path!r} runs no op of the traced step, so it cannot be a shard unit.")
         units.append(ShardUnit(path, min(indices), max(indices) + 1, _param_bytes(module, counted)))
     units.sort(key=lambda u: u.start)
-    for before, after in zip(units, units[1:]):
+    for before, after in itertools.pairwise(units):
         if after.start < before.end:
             raise CkptPlanError(f"Shard units {before.path!r} and {after.path!r} overlap in execution order.")
     root_bytes = _param_bytes(model, counted)

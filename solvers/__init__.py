@@ -10,11 +10,11 @@ from collections.abc import Callable
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import BudgetInfo, Plan
+from ckptplan.repeats import find_blocks
 from ckptplan.simulation import simulate
 from ckptplan.solvers import dp as _dp  # noqa: F401  (registers "dp")
 from ckptplan.solvers import ilp as _ilp  # registers "ilp"; auto calls it with warm starts
 from ckptplan.solvers import sqrt as _sqrt  # noqa: F401  (registers "sqrt")
-from ckptplan.solvers.blocks import find_blocks
 from ckptplan.solvers.registry import available_solvers, get_solver, register
 from ckptplan.units import describe_bytes, parse_budget
 

@@ -20,10 +20,11 @@ is made per block. So, in four steps:
    as ``max_e base(e) + own(e) - freed(blocks before e)``, ``own`` being the policy's change of
    its own windows. A dynamic program over the blocks picks one policy per block:
 
-   ``front[k]`` = the Pareto set of (``freed`` units, recompute cost) over policy choices for
-   blocks ``0..k-1`` whose every event so far fits the budget; ``freed`` is the bytes those
-   blocks free, rounded *down* to ``unit`` bytes (so the model never counts more freed memory
-   than there is). Block k with policy p is allowed from a state when
+   ``front[k]`` = the Pareto set of (``freed``, recompute cost) over policy choices for blocks
+   ``0..k-1`` whose every event so far fits the budget; ``freed`` is the bytes those blocks
+   free, exactly. To bound the set, states whose ``freed`` fall in the same ``unit`` of bytes
+   (``FREED_UNITS`` units span the most the blocks can free) keep only the cheapest one, which
+   loses optimality, never feasibility. Block k with policy p is allowed from a state when
    ``window_peak(p) + offset(k) - freed ≤ budget`` for both of its windows, where ``offset(k)``
    shifts the probe's windows to block k's place in the unplanned step.
 
@@ -45,12 +46,14 @@ from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage
 from ckptplan.plan import Region
 from ckptplan.repeats import Block, find_blocks
 from ckptplan.simulation import Report, simulate
+from ckptplan.solvers.ilp_model import keepable
 
 log = logging.getLogger(__name__)
 
 POLICY_BUDGETS = 5  # block budgets per ballast, evenly from its least to its unplanned peak
 BALLAST_SHARES = (0.0, 1.0, 4.0)  # the rest of the step, in the block's activation bytes
-FREED_UNITS = 4000  # resolution of the freed-bytes state of the choice DP
+KEEP_STEPS = 4  # keep-set sizes of ranked_keep_policies: 0, 1/4, ..., all of the keepable nodes
+FREED_UNITS = 4000  # buckets of freed bytes in which the choice DP keeps one state
 MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan overshoots
 
 
@@ -152,14 +155,14 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
 
 def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list[tuple[Region, ...]]:
     """Candidate policies for ``block`` (relative regions, keep-sets naming the block's nodes):
-    none, one region over the block, and the flat ilp's plans of ``block_graph`` at
+    none, ``ranked_keep_policies``, and the flat ilp's plans of ``block_graph`` at
     ``POLICY_BUDGETS`` budgets between its least and its unplanned peak, for each ballast of
     ``BALLAST_SHARES`` × the block's activation bytes (0 favours a low peak inside the block,
     more favours storing little for the rest of the step)."""
     from ckptplan.solvers.ilp import solve_flat  # ilp imports this module for large graphs
 
     length = block.end - block.start
-    found: list[tuple[Region, ...]] = [(), (Region(0, length),)]
+    found: list[tuple[Region, ...]] = [(), *ranked_keep_policies(graph, block)]
     activation = sum(graph.saved_bytes(i) for i in range(block.start, block.end))
     per_solve = seconds / (len(BALLAST_SHARES) * (POLICY_BUDGETS + 1))
     for share in BALLAST_SHARES:
@@ -182,6 +185,25 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
             if all(not r.children for r in clipped):
                 found.append(clipped)
     return list(dict.fromkeys(found))
+
+
+def ranked_keep_policies(graph: ComputeGraph, block: Block) -> list[tuple[Region, ...]]:
+    """One region over the block keeping the ``k`` nodes whose recomputation costs most per byte
+    kept, for ``k`` from none to all (``KEEP_STEPS`` steps), and keeping exactly the nodes with
+    FLOPs (matmul outputs: Megatron's selective recompute, Korthikanti et al. 2022). Fast to
+    make, and a frame for the ilp's finer plans."""
+    ranked = sorted(
+        (i for i in range(block.start, block.end) if keepable(graph, i)),
+        key=lambda i: (-graph.nodes[i].fwd_cost / max(1, graph.new_bytes(i)), i),
+    )
+    length = block.end - block.start
+    keep_sets = [ranked[: len(ranked) * k // KEEP_STEPS] for k in range(KEEP_STEPS + 1)]
+    keep_sets.append([i for i in ranked if graph.nodes[i].fwd_flops > 0])
+    policies = []
+    for keep in keep_sets:
+        names = tuple(graph.nodes[i].name for i in sorted(keep))
+        policies.append((Region(0, length, keep=names),))
+    return list(dict.fromkeys(policies))
 
 
 def shift(graph: ComputeGraph, policy: tuple[Region, ...], source: Block, target: Block) -> tuple[Region, ...] | None:
@@ -270,35 +292,36 @@ def choose(dec: Decomposition, windows: Windows, budget_bytes: int) -> list[int]
     (``front`` as defined in the module docstring); None when no choice fits."""
     most_freed = sum(max(0, *(e.freed_bytes for e in dec.policies[c])) for c in dec.class_of)
     unit = max(1, math.ceil(most_freed / FREED_UNITS))
-    front: list[tuple[int, float, tuple | None]] = [(0, 0.0, None)]  # (freed units, cost, choices)
+    front: list[tuple[int, float, tuple | None]] = [(0, 0.0, None)]  # (freed bytes, cost, choices)
     for k in range(len(dec.blocks) + 1):
-        front = [s for s in front if windows.outside_peak[k] - s[0] * unit <= budget_bytes]
+        front = [state for state in front if windows.outside_peak[k] - state[0] <= budget_bytes]
         if k == len(dec.blocks) or not front:
             break
         c = dec.class_of[k]
         fwd_offset = windows.fwd_start[k] - windows.fwd_start[dec.probes[c]]
         bwd_offset = windows.bwd_start[k] - windows.bwd_start[dec.probes[c]]
-        best: dict[int, tuple[float, tuple]] = {}
+        best: dict[int, tuple[float, int, tuple]] = {}  # per unit of freed bytes: the cheapest state
         for freed, cost, choices in front:
             for p, effect in enumerate(dec.policies[c]):
                 if dec.placements[k][p] is None:
                     continue
                 peak = max(effect.fwd_peak_bytes + fwd_offset, effect.bwd_peak_bytes + bwd_offset)
-                if peak - freed * unit > budget_bytes:
+                if peak - freed > budget_bytes:
                     continue
-                state = freed + math.floor(effect.freed_bytes / unit)
+                after = freed + effect.freed_bytes
                 total = cost + effect.cost_seconds
-                if state not in best or total < best[state][0]:
-                    best[state] = (total, (choices, p))
+                bucket = after // unit
+                if bucket not in best or (total, -after) < (best[bucket][0], -best[bucket][1]):
+                    best[bucket] = (total, after, (choices, p))
         front, cheapest = [], math.inf
-        for state in sorted(best, reverse=True):  # Pareto: keep a state only if cheaper than all freeing more
-            total, choices = best[state]
+        for bucket in sorted(best, reverse=True):  # Pareto: keep a state only if cheaper than all freeing more
+            total, after, choices = best[bucket]
             if total < cheapest:
-                front.append((state, total, choices))
+                front.append((after, total, choices))
                 cheapest = total
     if not front:
         return None
-    _, _, choices = min(front, key=lambda s: (s[1], -s[0]))
+    _, _, choices = min(front, key=lambda state: (state[1], -state[0]))
     picked: list[int] = []
     while choices is not None:
         choices, p = choices

@@ -129,9 +129,8 @@ class _Builder:
         self.rec = [m.NewBoolVar(f"rec_{t}") for t in range(n)]
         self.start = [m.NewBoolVar(f"start_{t}") for t in range(n)]
         self.keep: dict[int, cp_model.IntVar] = {}
-        for t, node in enumerate(g.nodes):
-            # Keep only ops that allocate: keeping a view saves nothing (its storage is its base's).
-            if not node.random and later_inplace_writer(g, t) is None and g.produced_by(t):
+        for t in range(n):
+            if keepable(g, t):
                 self.keep[t] = m.NewBoolVar(f"keep_{t}")
                 m.AddImplication(self.keep[t], self.rec[t])
         # cont_t: t continues t-1's region. A region starts where rec rises, or where start says so.
@@ -480,6 +479,13 @@ class _Builder:
             self.implies([self.rec[t], self._keep_var(t).Not(), self.stopafter[t], self.hastrig[t]], var)
             terms.append(cost * var)
         return sum(terms)
+
+
+def keepable(graph: ComputeGraph, t: int) -> bool:
+    """What a keep-set may name: an op that allocates (keeping a view saves nothing, its storage
+    is its base's), draws no random numbers, and whose output no later op overwrites in place."""
+    node = graph.nodes[t]
+    return not node.random and bool(graph.produced_by(t)) and later_inplace_writer(graph, t) is None
 
 
 def build_model(
