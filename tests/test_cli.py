@@ -406,3 +406,44 @@ def test_ctrl_c_outside_a_search_exits_130_with_one_line(
     assert result.exit_code == 130
     assert "Interrupted" in result.output and "Traceback" not in result.output
     assert not out.exists()
+
+
+# --- sharding and TRAINING defaults --------------------------------------------------------------
+
+GPT3_SMALL = """
+import importlib.util, pathlib
+spec = importlib.util.spec_from_file_location("gpt3", pathlib.Path({example!r}))
+gpt3 = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpt3)
+TRAINING = gpt3.TRAINING
+
+def build():
+    return gpt3.build(layers=4)
+"""
+
+
+def test_gpt3_example_plans_one_rank_with_its_training_defaults(workdir: Path) -> None:
+    model = write(workdir, "gpt3_small.py", GPT3_SMALL.format(example=str(EXAMPLES / "gpt3_175b.py")))
+    result = invoke("solve", model, "--budget", "0.95", "--shard-degree", "8", "--solver", "sqrt", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["model"]["sharding"] == {
+        "degree": 8, "stage": 3, "master_dtype": "float32", "units": [f"transformer.h.{i}" for i in range(4)],
+    }
+    assert plan["prediction"]["peak_bytes"] <= plan["budget"]["bytes"]
+    unsharded = json.loads(invoke("solve", model, "--budget", "1.0", "--solver", "sqrt", "--json").stdout)
+    assert unsharded["model"]["sharding"] is None
+    assert unsharded["model"]["fingerprint"] == plan["model"]["fingerprint"]
+    assert plan["prediction"]["baseline_peak_bytes"] < unsharded["prediction"]["baseline_peak_bytes"]
+
+
+def test_zero_stage_needs_values_it_knows(tiny: Path) -> None:
+    result = invoke("solve", tiny, "--budget", "0.9", "--shard-degree", "2", "--zero-stage", "4")
+    assert result.exit_code == 2
+
+
+def test_training_defaults_with_unknown_keys_are_one_clear_error(workdir: Path) -> None:
+    model = write(workdir, "bad_training.py", TINY + "\nTRAINING = {'optimiser': 'adamw'}\n")
+    result = invoke("solve", model, "--budget", "0.9")
+    assert result.exit_code == 1
+    assert "TRAINING" in result.output and "'optimiser'" in result.output
