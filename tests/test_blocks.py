@@ -5,6 +5,7 @@ simulator, beat ``sqrt``, and run with equal gradients."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -39,8 +40,8 @@ def test_blocks_are_the_transformer_layers(gpt) -> None:
     _, _, graph = gpt
     found, class_of = find_blocks(graph)
     assert [b.path for b in found] == [f"blocks.{i}" for i in range(6)]
-    assert all(a.end == b.start for a, b in zip(found, found[1:]))  # consecutive layers, nothing between
-    assert len(set(b.end - b.start for b in found)) == 1
+    assert all(a.end == b.start for a, b in itertools.pairwise(found))  # consecutive layers, nothing between
+    assert len({b.end - b.start for b in found}) == 1
     assert class_of[1:] == [class_of[1]] * 5  # layers 1..5 are identical; layer 0 may differ slightly
     for block in found:
         assert {graph.nodes[i].module.split(".")[1] for i in range(block.start, block.end)} == {block.path[-1]}
@@ -69,7 +70,7 @@ def test_measured_effects_predict_a_uniform_plan(gpt) -> None:
     """The additive model's quantities come from the simulator: placing one policy on every
     block of its class frees, by the end of forward, the sum of what each placement frees."""
     _, _, graph = gpt
-    dec, windows = blocks.decompose(graph, seconds=4)
+    dec, _ = blocks.decompose(graph, seconds=4)
     c = dec.class_of[-1]
     members = [k for k, cls in enumerate(dec.class_of) if cls == c]
     base = simulate(graph, ())
