@@ -184,11 +184,17 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
     by_index = [value_map[n] for n in compute]
 
     counter = [0]
-    wrappers: dict[str, CheckpointRegion] = {}
+    wrappers: dict[str, nn.Module] = {}
     owner_modules = dict(source.named_modules())
-    for region in regions:
+    units = graph.sharding.units if graph.sharding is not None and graph.sharding.spec.stage == 3 else ()
+    in_unit = _regions_by_unit(regions, units)
+    for k, unit in enumerate(units):
+        unit_wrappers = _outline_unit(new_graph, by_index, unit, in_unit[k], counter, owner_modules, model)
+        wrappers.update(unit_wrappers)
+    for region in in_unit[len(units)]:
         name, wrapper = _outline(new_graph, by_index, region, counter, owner_modules)
         wrappers[name] = wrapper
+    _erase_unused_attrs(new_graph)
     new_graph.lint()
 
     root: dict[str, Any] = {**wrappers}
@@ -204,7 +210,7 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
 
 
 def _share_state(module: CheckpointedModule, model: nn.Module, source: torch.fx.GraphModule,
-                 wrappers: dict[str, CheckpointRegion]) -> None:
+                 wrappers: dict[str, nn.Module]) -> None:
     """Make ``module``'s module tree the model's: same children, parameters and buffers."""
     children: dict[str, nn.Module] = dict(model._modules)
     for name in ("_guards_fn",):
@@ -318,6 +324,135 @@ def _outline(
     for position in range(region.start, region.end):
         by_index[position] = call
     return name, wrapper
+
+
+class ShardUnitBody(nn.Module):
+    """The ops of one FSDP unit, run as the unit module's ``forward`` (``_run_unit``).
+
+    ``body`` reads the unit's parameters itself, through the live module tree, when it runs:
+    FSDP2 swaps sharded and gathered parameters on the modules around each call, so they must
+    not be read before it. ``body`` is held outside the module tree, so ``state_dict`` is the
+    model's.
+    """
+
+    def __init__(self, body: torch.fx.GraphModule, path: str) -> None:
+        super().__init__()
+        self.__dict__["body"] = body
+        self.path = path
+
+    def extra_repr(self) -> str:
+        return f"unit={self.path!r}"
+
+
+def _run_unit(unit_module: nn.Module, unit: ShardUnitBody, *args: Any) -> Any:
+    """Call ``unit_module`` with ``unit``'s body as its forward, so that hooks on the module —
+    FSDP2's all-gather before and reshard after, its backward hooks on inputs and outputs —
+    run around the ops it owns, as when the model calls it."""
+    saved = unit_module.__dict__.get("forward")
+    unit_module.__dict__["forward"] = unit.body.forward
+    try:
+        return unit_module(*args)
+    finally:
+        if saved is None:
+            del unit_module.__dict__["forward"]
+        else:
+            unit_module.__dict__["forward"] = saved
+
+
+def _regions_by_unit(regions: Sequence[Region], units: Sequence[Any]) -> list[list[Region]]:
+    """Top-level regions per unit (index ``len(units)``: outside every unit). A region must lie
+    inside one unit or outside all of them: a checkpoint cannot span two FSDP units."""
+    grouped: list[list[Region]] = [[] for _ in range(len(units) + 1)]
+    for region in regions:
+        home = len(units)
+        for k, unit in enumerate(units):
+            if region.start < unit.end and unit.start < region.end:
+                if not (unit.start <= region.start and region.end <= unit.end):
+                    raise PlanFormatError(
+                        f"Region [{region.start}, {region.end}) crosses the edge of shard unit {unit.path!r} "
+                        f"(nodes [{unit.start}, {unit.end})); solve with the sharded graph's ilp, whose regions "
+                        "stay inside blocks, or plan without --shard-degree."
+                    )
+                home = k
+        grouped[home].append(region)
+    return grouped
+
+
+def _outline_unit(
+    graph: torch.fx.Graph,
+    by_index: list[torch.fx.Node],
+    unit: Any,
+    regions: Sequence[Region],
+    counter: list[int],
+    owner_modules: dict[str, nn.Module],
+    model: nn.Module,
+) -> dict[str, nn.Module]:
+    """Move the unit's nodes into a body called as the unit module's forward, outline its
+    regions inside that body, and return the wrappers made (the unit's and its regions')."""
+    members = by_index[unit.start:unit.end]
+    member_set = set(members)
+    inputs: list[torch.fx.Node] = []
+    attrs: list[torch.fx.Node] = []
+    for fx_node in members:
+        for used in fx_node.all_input_nodes:
+            if used in member_set or used in inputs or used in attrs:
+                continue
+            live = used.op == "get_attr" and "." in str(used.target) and str(used.target).split(".")[0] in model._modules
+            (attrs if live else inputs).append(used)
+    outputs = [n for n in members if any(user not in member_set for user in n.users)]
+    body = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for fx_input in inputs:
+        env[fx_input] = body.placeholder(fx_input.name)
+        env[fx_input].meta = dict(fx_input.meta)
+    for attr in attrs:
+        env[attr] = body.get_attr(attr.target)
+        env[attr].meta = dict(attr.meta)
+    for fx_node in members:
+        env[fx_node] = body.node_copy(fx_node, lambda n: env[n])
+    body.output(tuple(env[n] for n in outputs))
+    local_by_index = list(by_index)
+    for position in range(unit.start, unit.end):
+        local_by_index[position] = env[by_index[position]]
+    wrappers: dict[str, nn.Module] = {}
+    for region in regions:
+        name, wrapper = _outline(body, local_by_index, region, counter, owner_modules)
+        wrappers[name] = wrapper
+    body.lint()
+    root: dict[str, Any] = {}
+    for fx_node in body.nodes:
+        if fx_node.op in ("get_attr", "call_module") and fx_node.target not in root:
+            target = str(fx_node.target)
+            root[target] = wrappers[target] if target in wrappers else _fetch_from(owner_modules, target)
+    body_module = torch.fx.GraphModule(root, body, class_name="ShardUnit")
+    for top in {str(t).split(".")[0] for t in root if "." in str(t)}:
+        # Read through the model's own modules at call time (see ShardUnitBody).
+        body_module._modules.pop(top, None)
+        body_module.__dict__[top] = model._modules[top]
+    counter[0] += 1
+    name = f"_ckptplan_unit_{counter[0]}"
+    wrappers[name] = ShardUnitBody(body_module, unit.path)
+
+    with graph.inserting_before(members[0]):
+        unit_node = graph.get_attr(unit.path)
+        body_node = graph.get_attr(name)
+        call = graph.call_function(_run_unit, (unit_node, body_node, *inputs))
+        results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
+    for original, result in zip(outputs, results):
+        result.meta = dict(original.meta)
+        original.replace_all_uses_with(result, delete_user_cb=lambda user: user not in member_set)
+    for fx_node in reversed(members):
+        graph.erase_node(fx_node)
+    for position in range(unit.start, unit.end):
+        by_index[position] = call
+    return wrappers
+
+
+def _erase_unused_attrs(graph: torch.fx.Graph) -> None:
+    """Attribute reads that moved into unit bodies leave unused copies behind."""
+    for fx_node in list(graph.nodes):
+        if fx_node.op == "get_attr" and not fx_node.users:
+            graph.erase_node(fx_node)
 
 
 def _read_state(module: nn.Module, name: str) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""Sharded data parallelism (``ckptplan.sharding``): the per-rank memory terms, and the per-rank
-peak predicted for FSDP2 (``fully_shard`` per block, 2 ranks, gloo on CPU) against MemTracker."""
+"""Sharded data parallelism (``ckptplan.sharding``): the per-rank memory terms, the per-rank peak
+predicted for FSDP2 (``fully_shard`` per block, 2 ranks, gloo on CPU) against MemTracker, and an
+emitted module trained under FSDP2."""
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 
@@ -129,3 +131,65 @@ def test_per_rank_peak_matches_fsdp2_on_two_ranks(checkpointed: bool) -> None:
         measured = dict(peaks)
     for rank in (0, 1):
         assert abs(predicted - measured[rank]) <= 0.03 * measured[rank], (rank, measured[rank], predicted)
+
+
+def _emitted_rank(rank: int, world: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from ckptplan.profiler.loss import training_loss
+
+        model, x = stack()
+        reference = copy.deepcopy(model)
+        training_loss(reference(x)).backward()
+        graph = ckptplan.profile(model, (x,), shard=ckptplan.ShardSpec(world))
+        # Every block but the first checkpointed, keeping its first Linear's output.
+        regions = [ckptplan.Region(u.start, u.end, keep=(graph.nodes[u.start].name,)) for u in graph.sharding.units[1:]]
+        plan = ckptplan.make_plan(graph, regions)
+        emitted = ckptplan.emit(graph, plan)
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model:  # the model's own blocks, as a training script shards them
+            fully_shard(block, mesh=mesh)
+        fully_shard(emitted, mesh=mesh)
+        for _ in range(2):
+            for p in emitted.parameters():
+                p.grad = None
+            tracker = MemTracker()
+            tracker.track_external(emitted, x)
+            with tracker:
+                training_loss(emitted(x)).backward()
+        grad_error = max(
+            (p.grad.full_tensor() - q.grad).abs().max().item()
+            for p, q in zip(emitted.parameters(), reference.parameters())
+        )
+        peak = int(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+        out[rank] = (peak, plan.prediction.peak_bytes, grad_error)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_emitted_module_trains_under_fsdp2_with_equal_gradients_within_the_prediction() -> None:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_emitted_rank, args=(2, _free_port(), results), nprocs=2)
+        results = dict(results)
+    for rank in (0, 1):
+        measured, predicted, grad_error = results[rank]
+        assert grad_error == 0.0  # same data on both ranks: the averaged gradient is the single-process one
+        assert abs(predicted - measured) <= 0.03 * measured, (rank, measured, predicted)
+
+
+def test_a_region_across_two_shard_units_is_refused_at_emit() -> None:
+    from ckptplan.errors import PlanFormatError
+
+    model, x = stack()
+    graph = ckptplan.profile(model, (x,), shard=ckptplan.ShardSpec(2))
+    first, second = graph.sharding.units[:2]
+    plan = ckptplan.make_plan(graph, [ckptplan.Region(first.start + 2, second.start + 2)])
+    with pytest.raises(PlanFormatError, match="crosses the edge of shard unit '0'"):
+        ckptplan.emit(graph, plan)
