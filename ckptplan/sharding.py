@@ -31,11 +31,13 @@ graph's repeated blocks (``ckptplan.repeats``); everything else is the root unit
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ckptplan.errors import CkptPlanError
+from ckptplan.plan import Region
 
 if TYPE_CHECKING:
     from ckptplan.graph import ComputeGraph
@@ -129,3 +131,36 @@ def shard_graph(graph: ComputeGraph, layout: ShardLayout) -> ComputeGraph:
     return replace(
         graph, nodes=tuple(nodes), storages=storages, static=sharded_static, sharding=layout, unsharded_static=static
     )
+
+
+def unit_edges(graph: ComputeGraph) -> tuple[int, ...]:
+    """Positions where one FSDP unit's nodes meet another's or the root's: a checkpoint region
+    may not contain one (the emitted module calls each unit's module around its own ops)."""
+    layout = graph.sharding
+    if layout is None or layout.spec.stage != 3:
+        return ()
+    return tuple(sorted({k for u in layout.units for k in (u.start, u.end) if 0 < k < len(graph.nodes)}))
+
+
+def split_at_unit_edges(graph: ComputeGraph, regions: tuple[Region, ...]) -> tuple[Region, ...]:
+    """``regions`` cut at every unit edge inside them (keep-sets and children follow their
+    nodes); pieces left without a node are dropped. A no-op on an unsharded graph."""
+    edges = unit_edges(graph)
+    if not edges:
+        return regions
+    return tuple(piece for region in regions for piece in _split(graph, region, edges))
+
+
+def _split(graph: ComputeGraph, region: Region, edges: tuple[int, ...]) -> list[Region]:
+    cuts = [region.start, *(e for e in edges if region.start < e < region.end), region.end]
+    pieces = []
+    for lo, hi in itertools.pairwise(cuts):
+        keep = tuple(name for name in region.keep if lo <= graph.index_of[name] < hi)
+        children = tuple(
+            piece
+            for child in region.children
+            for piece in _split(graph, child, edges)
+            if lo <= piece.start and piece.end <= hi and (piece.start, piece.end) != (lo, hi)
+        )
+        pieces.append(Region(lo, hi, keep=keep, children=children))
+    return pieces

@@ -7,10 +7,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ckptplan.build import solver_plan
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import BudgetInfo, Plan
 from ckptplan.repeats import find_blocks
+from ckptplan.sharding import split_at_unit_edges
 from ckptplan.simulation import simulate
 from ckptplan.solvers import dp as _dp  # noqa: F401  (registers "dp")
 from ckptplan.solvers import ilp as _ilp  # registers "ilp"; auto calls it with warm starts
@@ -42,7 +44,7 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     def attempt(run: Callable[[], Plan]) -> None:
         nonlocal least_peak
         try:
-            plans.append(run())
+            plans.append(at_unit_edges(graph, run(), budget_bytes))
         except InfeasibleBudgetError as exc:
             least_peak = exc.min_peak_bytes if least_peak is None else min(least_peak, exc.min_peak_bytes)
 
@@ -75,6 +77,25 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     )
 
 
+def at_unit_edges(graph: ComputeGraph, plan: Plan, budget_bytes: int) -> Plan:
+    """``plan`` with its regions cut at FSDP unit edges (``sharding.split_at_unit_edges``), which
+    the emitted module needs; raises ``InfeasibleBudgetError`` if the cut plan no longer fits."""
+    regions = split_at_unit_edges(graph, plan.regions)
+    if regions == plan.regions:
+        return plan
+    report = simulate(graph, regions)
+    if report.peak_bytes > budget_bytes:
+        raise InfeasibleBudgetError(
+            f"The {plan.solver.name} plan no longer fits {describe_bytes(budget_bytes)} once its regions are cut at "
+            f"the shard units' edges ({describe_bytes(report.peak_bytes)}); try --solver ilp, whose large-graph "
+            "plans stay inside blocks, or raise the budget.",
+            budget_bytes=budget_bytes,
+            min_peak_bytes=report.peak_bytes,
+        )
+    note = f"{plan.solver.note}; regions cut at shard unit edges".lstrip("; ")
+    return solver_plan(graph, regions, budget_bytes, plan.solver.model_copy(update={"note": note}), report=report)
+
+
 def solve(
     graph: ComputeGraph,
     budget: str | int | float = "8GB",
@@ -86,7 +107,7 @@ def solve(
     Raises ``InfeasibleBudgetError`` (with the least peak reached) when nothing fits.
     """
     budget_bytes = parse_budget(budget, graph.baseline_peak_bytes)
-    plan = get_solver(solver)(graph, budget_bytes, time_limit=time_limit)
+    plan = at_unit_edges(graph, get_solver(solver)(graph, budget_bytes, time_limit=time_limit), budget_bytes)
     report = simulate(graph, plan)
     if report.peak_bytes != plan.prediction.peak_bytes or report.peak_bytes > budget_bytes:
         raise CkptPlanError(

@@ -193,3 +193,28 @@ def test_a_region_across_two_shard_units_is_refused_at_emit() -> None:
     plan = ckptplan.make_plan(graph, [ckptplan.Region(first.start + 2, second.start + 2)])
     with pytest.raises(PlanFormatError, match="crosses the edge of shard unit '0'"):
         ckptplan.emit(graph, plan)
+
+
+@pytest.mark.parametrize("solver", ["sqrt", "dp", "ilp"])
+def test_every_solver_plans_regions_inside_shard_units(solver: str) -> None:
+    from ckptplan.sharding import unit_edges
+    from tests.test_blocks import small_gpt
+
+    model, args = small_gpt(n_layer=4)
+    graph = ckptplan.profile(model, args, shard=ckptplan.ShardSpec(4))
+    edges = unit_edges(graph)
+    assert len(edges) >= 4
+    plan = ckptplan.solve(graph, 0.8, solver=solver, time_limit=5)
+    for top in plan.regions:
+        for region in top.walk():
+            assert not any(region.start < e < region.end for e in edges), (region, edges)
+    emitted = ckptplan.emit(graph, plan)
+    reference = copy.deepcopy(model)
+    from ckptplan.profiler.loss import training_loss
+
+    torch.manual_seed(0)
+    training_loss(emitted(*args)).backward()
+    torch.manual_seed(0)
+    training_loss(reference(*args)).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
