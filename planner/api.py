@@ -11,6 +11,7 @@ from ckptplan.plan import Plan
 from ckptplan.planner.emit import CheckpointedModule, emit
 from ckptplan.profiler import profile
 from ckptplan.profiler.trace import TraceMode
+from ckptplan.sharding import ShardSpec
 from ckptplan.solvers import solve
 
 
@@ -24,10 +25,11 @@ def checkpoint(
     trace: TraceMode = "export",
     optimizer: str | None = None,
     time_limit: float | None = None,
+    shard: ShardSpec | None = None,
 ) -> CheckpointedModule:
     """Profile ``model``, solve for ``budget`` and return the rewritten module (``plan`` attached
-    as ``module.ckptplan_plan``)."""
-    graph = profile(model, args, kwargs, trace=trace, optimizer=optimizer)
+    as ``module.ckptplan_plan``). ``shard``: plan one rank of a sharded step (``ckptplan.sharding``)."""
+    graph = profile(model, args, kwargs, trace=trace, optimizer=optimizer, shard=shard)
     plan = solve(graph, budget, solver=solver, time_limit=time_limit)
     module = emit(graph, plan)
     module.__dict__["ckptplan_plan"] = plan
@@ -43,8 +45,18 @@ def apply(
     trace: TraceMode | None = None,
     optimizer: str | None = None,
 ) -> CheckpointedModule:
-    """Re-trace ``model`` and emit ``plan``; refuses a plan made for another model or shapes."""
-    graph = profile(model, args, kwargs, trace=trace or "export", optimizer=optimizer)
+    """Re-trace ``model`` and emit ``plan``; refuses a plan made for another model or shapes.
+
+    A plan made for a sharded step (``plan.model.sharding``) is emitted for the same shard
+    units, so that ``fully_shard`` on the model's blocks composes with the result. In a
+    distributed job, solve once and give every rank the same plan file: each rank then runs
+    the same regions, which a per-rank solve under a time limit does not guarantee."""
+    sharding = plan.model.sharding
+    shard = None
+    if sharding is not None:
+        shard = ShardSpec(sharding.degree, stage=sharding.stage, master_dtype=sharding.master_dtype,
+                          units=sharding.units)
+    graph = profile(model, args, kwargs, trace=trace or "export", optimizer=optimizer, shard=shard)
     if graph.fingerprint != plan.model.fingerprint:
         raise FingerprintMismatchError(
             f"Plan was made for {plan.model.name} with fingerprint {plan.model.fingerprint}, but this model "

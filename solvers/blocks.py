@@ -169,14 +169,14 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
         sub = block_graph(graph, block, int(share * activation))
         top = sub.baseline_peak_bytes
         try:
-            solve_flat(sub, sub.static.resident_bytes, time_limit=per_solve, warm=())
+            solve_flat(sub, sub.static.resident_bytes, time_limit=per_solve, warm=(), announce=False)
             least = sub.static.resident_bytes
         except InfeasibleBudgetError as error:
             least = error.min_peak_bytes
         for k in range(POLICY_BUDGETS):
             budget = least + (top - least) * k // POLICY_BUDGETS
             try:
-                plan = solve_flat(sub, budget, time_limit=per_solve)
+                plan = solve_flat(sub, budget, time_limit=per_solve, announce=False)
             except InfeasibleBudgetError:
                 continue
             clipped = tuple(

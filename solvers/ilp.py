@@ -156,7 +156,7 @@ def improve_locally(
     try:
         _sweeps(model, graph, v, found, budget_bytes, deadline=deadline, clock=deterministic_seconds, seed=seed)
     except KeyboardInterrupt:  # Ctrl-C between two small solves (CP-SAT catches it during one)
-        pass
+        _stopped.set()
     return simplify(graph, found[0], budget_bytes)
 
 
@@ -225,16 +225,30 @@ def _exclude(model: cp_model.CpModel, v: IlpVars, solver: cp_model.CpSolver) -> 
     model.AddBoolOr(literals)
 
 
+# Set by a Ctrl-C during any search of one ``solve_ilp`` call (which clears it): every later
+# search of that call is skipped, so the best plan so far comes back at once.
+_stopped = threading.Event()
+
+
 def solve_keeping_sigint(solver: cp_model.CpSolver, model: cp_model.CpModel) -> int:
-    """``solver.Solve(model)``, leaving Ctrl-C as it found it. CP-SAT turns a SIGINT during the
-    search into an early return, but afterwards leaves the signal's default action (end the
-    process at once) where Python's handler was, so a later Ctrl-C would lose the plan."""
+    """``solver.Solve(model)``, leaving Ctrl-C as it found it, or nothing once Ctrl-C was pressed
+    (``_stopped``). CP-SAT turns a SIGINT during the search into an early return, but afterwards
+    leaves the signal's default action (end the process at once) where Python's handler was,
+    so a later Ctrl-C would lose the plan."""
+    if _stopped.is_set():
+        return cp_model.UNKNOWN
     handler = signal.getsignal(signal.SIGINT)
     try:
-        return solver.Solve(model)
+        code = solver.Solve(model)
+    except KeyboardInterrupt:
+        _stopped.set()
+        raise
     finally:
         if handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, handler)
+    if _interrupted(solver):
+        _stopped.set()
+    return code
 
 
 def _interrupted(solver: cp_model.CpSolver) -> bool:
@@ -273,9 +287,11 @@ def run_cp_sat(
     workers: int,
     seed: int,
     budget_bytes: int,
+    announce: bool = True,
 ) -> CpResult:
     """Solve, re-simulate, and cut off plans the simulator rejects (at most ``MAX_CUTS``), within
-    ``time_limit`` seconds and ``deterministic_seconds`` of CP-SAT's deterministic clock."""
+    ``time_limit`` seconds and ``deterministic_seconds`` of CP-SAT's deterministic clock.
+    ``announce``: log the search at INFO (the small searches of block policies log at DEBUG)."""
     started = time.perf_counter()
     clock_left = deterministic_seconds
     for _ in range(MAX_CUTS + 1):
@@ -283,10 +299,12 @@ def run_cp_sat(
         _configure(solver, wall_seconds=time_limit - (time.perf_counter() - started),
                    deterministic_seconds=clock_left, workers=workers, seed=seed)
         try:  # from the moment the search is announced, Ctrl-C means "stop and keep the best"
-            log.info("ilp: searching %d variables for up to %.0f s; Ctrl-C stops early and keeps the best plan",
-                     v.counts["variables"], solver.parameters.max_time_in_seconds)
+            log.log(logging.INFO if announce else logging.DEBUG,
+                    "ilp: searching %d variables for up to %.0f s; Ctrl-C stops early and keeps the best plan",
+                    v.counts["variables"], solver.parameters.max_time_in_seconds)
             code = solve_keeping_sigint(solver, model)
         except KeyboardInterrupt:  # pressed just before CP-SAT took over SIGINT
+            _stopped.set()
             return CpResult("UNKNOWN", None, float("inf"), 0.0, time.perf_counter() - started, interrupted=True)
         name = solver.StatusName(code)
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -373,6 +391,7 @@ def solve_ilp(
     (``solve_flat``), with the block-by-block plan among the warm starts.
     """
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    _stopped.clear()
     if budget_bytes >= graph.baseline_peak_bytes:
         return solve_flat(graph, budget_bytes, time_limit=limit)
     if len(graph.nodes) > FLAT_MAX_NODES:
@@ -401,6 +420,7 @@ def solve_hierarchical(
     when cheaper, or when the decomposition finds no plan."""
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    _stopped.clear()
     found = blocks.decompose(graph, seconds=limit * GLOBAL_SHARE)
     if found is None:
         return None
@@ -444,6 +464,7 @@ def solve_flat(
     seed: int = 0,
     window: int | None = None,
     warm: Sequence[Plan] | None = None,
+    announce: bool = True,
 ) -> Plan:
     """``solve_ilp`` on the whole graph as one CP-SAT model.
 
@@ -474,7 +495,7 @@ def solve_flat(
     clock = limit * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not the time left: reproducible
     result = run_cp_sat(
         model, graph, v, time_limit=remaining * GLOBAL_SHARE, deterministic_seconds=clock * GLOBAL_SHARE,
-        workers=workers, seed=seed, budget_bytes=budget_bytes,
+        workers=workers, seed=seed, budget_bytes=budget_bytes, announce=announce,
     )
     if result.status != "OPTIMAL" and not result.interrupted:
         incumbent = result.regions
