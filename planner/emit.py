@@ -11,6 +11,7 @@ the model's own ``forward`` (the traced graph is a training-mode graph).
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import threading
 from collections.abc import Iterator, Sequence
@@ -115,7 +116,9 @@ class CheckpointRegion(nn.Module):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """checkpoint's ``context_fn``: the selective policy (if the region keeps anything) and
+        the recompute marker."""
         if not self.keep:
             return contextlib.nullcontext(), _recompute_scope()
         # A kept node's own ops may write into tensors they just made (dropout fills its mask
@@ -130,6 +133,11 @@ class CheckpointRegion(nn.Module):
         return f"region_id={self.region_id}, keep={list(self.keep)}"
 
 
+def _region_contexts(region: CheckpointRegion) -> tuple[contextlib.AbstractContextManager, ...]:
+    # A plain function (not a bound method) as context_fn, which torch.compile traces reliably.
+    return region.contexts()
+
+
 def _run_region(region: CheckpointRegion, *args: Any) -> Any:
     """Call ``region``'s body under checkpoint.
 
@@ -138,7 +146,8 @@ def _run_region(region: CheckpointRegion, *args: Any) -> Any:
     parameters passed as region arguments and cannot leave gradient hooks on them.
     """
     return checkpoint(
-        region.body.forward, *args, use_reentrant=False, context_fn=region._contexts, preserve_rng_state=True
+        region.body.forward, *args, use_reentrant=False, context_fn=functools.partial(_region_contexts, region),
+        preserve_rng_state=True,
     )
 
 
