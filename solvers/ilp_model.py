@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from ckptplan.graph import ComputeGraph
+from ckptplan.sharding import unit_edges
 from ckptplan.simulation import gradient_bytes, later_inplace_writer
 
 COST_SCALE = 2.0**40  # integer cost units per second (synthetic test costs are exact multiples)
@@ -152,6 +153,9 @@ class _Builder:
                 # No region may start or end here: an in-place op needs the tensors unmodified.
                 m.Add(self.start[t] == 0)
                 m.Add(self.rec[t] == self.rec[t - 1])
+        for t in unit_edges(g):
+            # A region may not span two FSDP units: the emitted module calls each unit's module.
+            m.Add(self.cont[t] == 0)
         if n not in boundaries and n > 0:
             m.Add(self.rec[n - 1] == 0)
         # At most ``window`` nodes per region: no ``window`` consecutive continuations.

@@ -99,12 +99,12 @@ def test_large_graphs_of_blocks_are_solved_block_by_block_and_deterministically(
     assert len(graph.nodes) > FLAT_MAX_NODES
 
     def plan_json() -> str:
-        plan = ckptplan.solve(graph, 0.6, solver="ilp", time_limit=6)
+        plan = ckptplan.solve(graph, 0.6, solver="ilp", time_limit=3)
         return plan.model_copy(update={"solver": plan.solver.model_copy(update={"seconds": 0.0})}).to_json()
 
     first = plan_json()
     assert "block by block" in first and first == plan_json()
-    auto = ckptplan.solve(graph, 0.6, time_limit=6)
+    auto = ckptplan.solve(graph, 0.6, time_limit=3)
     assert "dp skipped" in auto.solver.note
 
 
