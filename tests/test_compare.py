@@ -1,0 +1,139 @@
+"""Smoke test of ``benchmarks/compare.py --quick --no-write``: the section's structure and the
+sanity of its numbers (one small GPT, a few points, one timed step each)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare.py"
+HEADER = "| method | setting | measured peak MiB | peak / no-ckpt | extra FLOPs % | step time ratio | gradients equal |"
+
+
+def _load() -> ModuleType:
+    name = "ckptplan_benchmark_compare"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def compare() -> ModuleType:
+    pytest.importorskip("matplotlib")
+    return _load()
+
+
+@pytest.fixture(scope="module")
+def quick(compare: ModuleType) -> tuple[Any, str, list[str]]:
+    """One ``--quick --no-write`` run: the report, what it printed, and any attempt to write a file
+    (``write_section`` and ``plot`` are replaced by recorders for the run)."""
+    writes: list[str] = []
+    saved = compare.write_section, compare.plot
+    compare.write_section = lambda *args, **kwargs: writes.append("RESULTS.md")
+    compare.plot = lambda *args, **kwargs: writes.append("plot")
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            report = compare.main(["--quick", "--no-write"])
+    finally:
+        compare.write_section, compare.plot = saved
+    return report, out.getvalue(), writes
+
+
+def _table_rows(section: str) -> list[list[str]]:
+    lines = section.splitlines()
+    start = lines.index(HEADER)
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return rows
+
+
+def test_section_structure(compare: ModuleType, quick: tuple[Any, str, list[str]]) -> None:
+    report, printed, writes = quick
+    assert printed.strip() == report.section.strip()
+    assert printed.lstrip().startswith(compare.BEGIN)
+    assert printed.rstrip().endswith(compare.END)
+    assert "torch " in printed and "Python " in printed and "CPUs" in printed
+    assert "**Overall:**" in printed
+    assert printed.count(HEADER) == 1
+    rows = _table_rows(printed)
+    (result,) = report.results
+    assert len(rows) == len(result.points)
+    assert all(len(row) == 7 for row in rows)
+    assert result.summary and all(sentence.endswith(".") for sentence in result.summary)
+    assert writes == []  # --no-write writes neither RESULTS.md nor plots
+
+
+def test_reference_row(quick: tuple[Any, str, list[str]]) -> None:
+    report, printed, _ = quick
+    first = _table_rows(printed)[0]
+    assert first[0] == "no checkpoint"
+    assert first[3:] == ["1.000", "+0.0", "1.00", "yes"]
+    assert report.results[0].points[0].metrics.time_ratio == 1.0
+
+
+def test_every_method_is_present_and_sane(quick: tuple[Any, str, list[str]]) -> None:
+    report, _, _ = quick
+    (result,) = report.results
+    groups = {p.group for p in result.points}
+    assert {"no checkpoint", "every block", "every nth block", "selective ops", "torch.compile"} <= groups
+    assert {"ckptplan sqrt", "ckptplan dp", "ckptplan ilp"} <= groups
+    reference = result.reference
+    for point in result.points:
+        if point.metrics is None:
+            assert point.status.startswith(("failed: ", "infeasible, least ")), point  # never "error: "
+            continue
+        assert 0 < point.metrics.peak_bytes
+        assert math.isfinite(point.metrics.time_ratio) and point.metrics.time_ratio > 0
+        assert point.metrics.flops >= reference.flops * 0.999 or point.group == "torch.compile"
+    for group in ("every block", "every nth block", "selective ops"):
+        (point,) = [p for p in result.points if p.group == group]
+        assert point.metrics is not None, point.status
+        assert point.metrics.grads == "yes"
+        assert point.metrics.peak_bytes < reference.peak_bytes
+
+
+def test_ckptplan_points_fit_their_budgets(compare: ModuleType, quick: tuple[Any, str, list[str]]) -> None:
+    report, _, _ = quick
+    (result,) = report.results
+    solved = [p for p in result.points if p.group.startswith("ckptplan") and p.metrics is not None]
+    assert solved, "no ckptplan point was solved"
+    for point in solved:
+        assert point.budget_bytes is not None
+        assert point.metrics.peak_bytes <= point.budget_bytes * compare.WITHIN_BUDGET, point
+        assert point.metrics.grads == "yes", point
+
+
+def test_write_section_replaces_only_the_marked_part(compare: ModuleType, tmp_path: Path) -> None:
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Results\n\nkeep me\n")
+    first = f"{compare.BEGIN}\none\n{compare.END}"
+    compare.write_section(first, path)
+    assert path.read_text() == f"# Results\n\nkeep me\n\n{first}\n"
+    path.write_text(path.read_text() + "\n## later\n")
+    compare.write_section(f"{compare.BEGIN}\ntwo\n{compare.END}", path)
+    assert path.read_text() == f"# Results\n\nkeep me\n\n{compare.BEGIN}\ntwo\n{compare.END}\n\n## later\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["RESULTS.md"]
+
+
+def test_plot_writes_a_png(compare: ModuleType, quick: tuple[Any, str, list[str]], tmp_path: Path) -> None:
+    report, _, _ = quick
+    path = tmp_path / "plots" / "compare_quick.png"
+    compare.plot(report.results[0], path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
