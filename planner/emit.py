@@ -325,14 +325,23 @@ def _outline(
         call = graph.call_function(_run_region, (region_module, *call_args))
         call.meta["ckptplan_region"] = region_id
         results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
+    _replace_members(graph, members, outputs, results)
+    for position in range(region.start, region.end):
+        by_index[position] = call
+    return name, wrapper
+
+
+def _replace_members(
+    graph: torch.fx.Graph, members: list[torch.fx.Node], outputs: list[torch.fx.Node], results: list[torch.fx.Node]
+) -> None:
+    """Outside ``members``, use ``results`` (the outlined call's items) for ``outputs``; then erase
+    the members."""
+    member_set = set(members)
     for original, result in zip(outputs, results):
         result.meta = dict(original.meta)
         original.replace_all_uses_with(result, delete_user_cb=lambda user: user not in member_set)
     for fx_node in reversed(members):
         graph.erase_node(fx_node)
-    for position in range(region.start, region.end):
-        by_index[position] = call
-    return name, wrapper
 
 
 class ShardUnitBody(nn.Module):
@@ -447,11 +456,7 @@ def _outline_unit(
         body_node = graph.get_attr(name)
         call = graph.call_function(_run_unit, (unit_node, body_node, *inputs))
         results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
-    for original, result in zip(outputs, results):
-        result.meta = dict(original.meta)
-        original.replace_all_uses_with(result, delete_user_cb=lambda user: user not in member_set)
-    for fx_node in reversed(members):
-        graph.erase_node(fx_node)
+    _replace_members(graph, members, outputs, results)
     for position in range(unit.start, unit.end):
         by_index[position] = call
     return wrappers

@@ -1,12 +1,17 @@
-"""Shared fixtures: the example models, loaded from examples/ by path."""
+"""Shared fixtures and checks: the example models, loaded from examples/ by path, and the
+gradient check every emitted module must pass."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+
+from ckptplan.profiler.loss import training_loss
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -21,3 +26,17 @@ def load_example(name: str) -> ModuleType:
 @pytest.fixture(params=["gpt", "resnet", "unet"])
 def example_name(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+def assert_same_gradients(model: torch.nn.Module, module: torch.nn.Module, args: tuple) -> None:
+    """One seeded training step of ``module`` (which shares ``model``'s parameters) leaves the
+    gradients that the same step of a copy of ``model`` does."""
+    reference = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    training_loss(module(*args)).backward()
+    torch.manual_seed(0)
+    training_loss(reference(*args)).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -3,7 +3,6 @@ simulator), never worse than ``sqrt`` on chains, and every plan fits when measur
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 
@@ -19,9 +18,8 @@ from ckptplan.simulation import simulate
 from ckptplan.solvers.chain import build_chain
 from ckptplan.solvers.dp import INF, solve_chain, solve_dp
 from ckptplan.solvers.sqrt import solve_sqrt
-from ckptplan.profiler.loss import training_loss
 from tests import models
-from tests.conftest import load_example
+from tests.conftest import assert_same_gradients, load_example
 from tests.plan_spaces import one_level_plans
 from tests.synthetic import chain_graph
 
@@ -148,12 +146,7 @@ def test_nested_dp_plan_runs_with_equal_gradients_and_measured_peak() -> None:
     emitted = ckptplan.emit(graph, plan)
     measured = ckptplan.measure_step(emitted, args).peak_bytes
     assert abs(measured - plan.prediction.peak_bytes) <= 0.03 * measured
-    reference = copy.deepcopy(model)
-    model.zero_grad(set_to_none=True)
-    training_loss(emitted(*args)).backward()
-    training_loss(reference(*args)).backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+    assert_same_gradients(model, emitted, args)
 
 
 def test_gpt_example_dp_never_costs_more_than_sqrt_and_reaches_lower() -> None:
