@@ -55,6 +55,7 @@ BALLAST_SHARES = (0.0, 1.0, 4.0)  # the rest of the step, in the block's activat
 KEEP_STEPS = 4  # keep-set sizes of ranked_keep_policies: 0, 1/4, ..., all of the keepable nodes
 FREED_UNITS = 4000  # buckets of freed bytes in which the choice DP keeps one state
 MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan overshoots
+MIN_BLOCK_NODES = 4  # smaller blocks leave nothing to decide inside them: no decomposition
 
 
 @dataclass(frozen=True)
@@ -262,9 +263,10 @@ def block_windows(blocks: Sequence[Block], base: Report) -> Windows:
 
 
 def decompose(graph: ComputeGraph, *, seconds: float) -> tuple[Decomposition, Windows] | None:
-    """Blocks, their policies and measured effects; None when the graph has no repeated blocks."""
+    """Blocks, their policies and measured effects; None when the graph has no repeated blocks
+    of at least ``MIN_BLOCK_NODES`` nodes."""
     blocks, class_of = find_blocks(graph)
-    if not blocks:
+    if max((b.end - b.start for b in blocks), default=0) < MIN_BLOCK_NODES:
         return None
     windows = block_windows(blocks, simulate(graph, ()))
     classes = max(class_of) + 1
