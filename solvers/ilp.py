@@ -348,16 +348,18 @@ def least_peak(
     workers: int,
     seed: int,
     window: int | None,
-) -> int:
-    """The least peak one-level plans with keep-sets reach: exact when the search finishes, else
-    the least it found in ``time_limit`` (a plan reaching it exists either way)."""
+) -> tuple[int, bool]:
+    """(peak, proven): the least peak one-level plans with keep-sets reach when ``proven``, else
+    the least the search found in its time (a plan reaching it exists either way)."""
     model, v = build_model(graph, None, window=window)
     model.Minimize(v.peak)
+    _hint_complete(model, graph, v, ())  # start from no checkpointing, so there is always a plan
     solver = cp_model.CpSolver()
     _configure(solver, wall_seconds=time_limit, deterministic_seconds=deterministic_seconds, workers=workers, seed=seed)
-    if solve_keeping_sigint(solver, model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return int(solver.Value(v.peak))
-    return graph.baseline_peak_bytes
+    code = solve_keeping_sigint(solver, model)
+    if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return int(solver.Value(v.peak)), code == cp_model.OPTIMAL
+    return graph.baseline_peak_bytes, False
 
 
 def _warm_plans(
@@ -515,11 +517,16 @@ def solve_flat(
         size += f", regions of at most {v.window} nodes"
     if result.regions is None:
         if result.status == "INFEASIBLE":
-            least = least_peak(graph, time_limit=remaining, deterministic_seconds=clock, workers=workers, seed=seed,
-                               window=window)
+            least, proven = least_peak(graph, time_limit=remaining, deterministic_seconds=clock, workers=workers,
+                                       seed=seed, window=window)
+            reach = (
+                f"the least peak one-level plans with keep-sets reach, {describe_bytes(least)}" if proven else
+                f"what one-level plans with keep-sets reach (the least found in {limit:g} s: {describe_bytes(least)}, "
+                "not proven least)"
+            )
             raise InfeasibleBudgetError(
-                f"Budget {describe_bytes(budget_bytes)} is below the least peak one-level plans with keep-sets "
-                f"reach, {describe_bytes(least)}; raise the budget or try --solver dp (nested regions).",
+                f"Budget {describe_bytes(budget_bytes)} is below {reach}; raise the budget or try --solver dp "
+                "(nested regions).",
                 budget_bytes=budget_bytes,
                 min_peak_bytes=max(least, budget_bytes + 1),
             )
