@@ -3,7 +3,7 @@ block (HF ``gradient_checkpointing_enable``), every N-th block, a torchtitan-sty
 policy, ``torch.compile``'s min-cut partitioner under ``activation_memory_budget``, and ckptplan's
 solvers at budgets set to those peers' measured peaks.
 
-    python benchmarks/compare.py [--models gpt,unet,resnet,gpt2,bert] [--quick] [--time-limit 8] [--no-write]
+    python benchmarks/compare.py [--models gpt,unet,resnet,gpt2,bert] [--quick] [--time-limit 6] [--no-write]
 
 Every point is one real CPU training step measured with PyTorch's ``MemTracker``
 (``ckptplan.measure_step``), FLOPs counted with ``FlopCounterMode`` over forward+backward, the
@@ -70,9 +70,9 @@ WITHIN_BUDGET = 1.03  # a measured peak up to 3% over budget counts as within (D
 TIME_NOISE = 0.05
 
 # What the torchtitan-style policy saves: the outputs of matmul-like and attention ops (torchtitan's
-# `_save_list` in torchtitan/models/llama3/infra/parallelize.py names aten.mm and the SDPA kernels;
-# we add addmm/bmm, which nn.Linear and batched attention reach on CPU, the CPU SDPA kernel, and
-# aten.convolution, the matmul of the conv nets). Everything else is recomputed.
+# selective-op save list, `_save_list` / `_op_sac_save_list` in its Llama parallelize.py, names
+# aten.mm and the SDPA kernels; we add addmm/bmm, which nn.Linear and batched attention reach on CPU,
+# the CPU SDPA kernel, and aten.convolution, the matmul of the conv nets). The rest is recomputed.
 _ATEN = torch.ops.aten
 SAVE_OPS = frozenset(
     op
@@ -418,7 +418,7 @@ class Settings:
     """Command-line choices that shape a run."""
 
     repeats: int = 5
-    time_limit: float = 8.0  # ilp and auto each; 10 s made the default run 13 min, too close to its 15
+    time_limit: float = 6.0  # ilp and auto each; at 8 s the default run took 14.2 min here, too close to 15
     compile_budgets: tuple[float, ...] = COMPILE_BUDGETS
     compile_solvers: tuple[str, ...] = COMPILE_SOLVERS
     compile_all_solvers_at: tuple[float, ...] = COMPILE_ALL_SOLVERS_AT
@@ -552,7 +552,8 @@ def _ckptplan_points(
                 plan = ckptplan.solve(graph, int(budget), solver=solver, time_limit=limit)
             except ckptplan.InfeasibleBudgetError as exc:
                 points.append(Point("ckptplan", setting, f"ckptplan {solver}", status=(
-                    f"infeasible, least {exc.min_peak_bytes / MIB:.1f} MiB"), budget_bytes=budget, solver=solver))
+                    f"infeasible, least {exc.min_peak_bytes / MIB:.1f} MiB (solver's claim)"), budget_bytes=budget,
+                    solver=solver))
                 continue
             except Exception as exc:  # noqa: BLE001 (a ckptplan bug: recorded in the table, reported, run goes on)
                 log.error("  ckptplan %s failed: %s", setting, _one_line(exc))
@@ -892,8 +893,9 @@ def _method_paragraphs(settings: Settings, seconds: float, threads: int) -> list
         f"{_also_solvers(settings)}), run through AOTAutograd with no-op compilers so the partitioned graphs "
         "execute eagerly; and ckptplan's solvers at budgets equal to the peers' measured peaks (peaks within 1% "
         f"merged, the least of them used) plus one lower budget: {LOW_BUDGET_FACTOR:g}× the least peer peak, or the "
-        "least peak `sqrt`/`dp` reach if that is higher. Identical ckptplan plans and identical torch.compile "
-        "partitions are measured once."
+        "least peak `sqrt`/`dp` report if that is higher. \"infeasible, least X\" quotes the solver's "
+        "`InfeasibleBudgetError`, unchecked. Identical ckptplan plans and identical torch.compile partitions are "
+        "measured once."
     )
     machine = (
         f"Machine: {machine_line(threads)}. Full run: {seconds / 60:.1f} min. `ilp`/`auto` time limit "
@@ -1064,7 +1066,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help=f"one small model ({QUICK_MODEL}), few points, one timed step (smoke test)")
     parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds for ckptplan's ilp and auto solvers (default 8; 1 with --quick)")
+                        help="seconds for ckptplan's ilp and auto solvers (default 6; 1 with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per point (default 5; 1 with --quick)")
     parser.add_argument("--no-write", action="store_true", help="print the section; write no file or plot")
     parser.add_argument("--threads", type=int, default=1,
