@@ -133,13 +133,18 @@ def shard_graph(graph: ComputeGraph, layout: ShardLayout) -> ComputeGraph:
     )
 
 
-def unit_edges(graph: ComputeGraph) -> tuple[int, ...]:
-    """Positions where one FSDP unit's nodes meet another's or the root's: a checkpoint region
-    may not contain one (the emitted module calls each unit's module around its own ops)."""
+def fsdp_units(graph: ComputeGraph) -> tuple[ShardUnit, ...]:
+    """The units whose modules FSDP2 runs one by one: those of a stage-3 layout, else none."""
     layout = graph.sharding
     if layout is None or layout.spec.stage != 3:
         return ()
-    return tuple(sorted({k for u in layout.units for k in (u.start, u.end) if 0 < k < len(graph.nodes)}))
+    return layout.units
+
+
+def unit_edges(graph: ComputeGraph) -> tuple[int, ...]:
+    """Positions where one FSDP unit's nodes meet another's or the root's: a checkpoint region
+    may not contain one (the emitted module calls each unit's module around its own ops)."""
+    return tuple(sorted({k for u in fsdp_units(graph) for k in (u.start, u.end) if 0 < k < len(graph.nodes)}))
 
 
 def split_at_unit_edges(graph: ComputeGraph, regions: tuple[Region, ...]) -> tuple[Region, ...]:

@@ -25,6 +25,7 @@ from ckptplan.errors import PlanFormatError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region
 from ckptplan.profiler.record import iter_compute_nodes
+from ckptplan.sharding import fsdp_units
 from ckptplan.simulation import build_region_tree
 
 _STATE = threading.local()
@@ -195,7 +196,7 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
     counter = [0]
     wrappers: dict[str, nn.Module] = {}
     owner_modules = dict(source.named_modules())
-    units = graph.sharding.units if graph.sharding is not None and graph.sharding.spec.stage == 3 else ()
+    units = fsdp_units(graph)
     in_unit = _regions_by_unit(regions, units)
     for k, unit in enumerate(units):
         unit_wrappers = _outline_unit(new_graph, by_index, unit, in_unit[k], counter, owner_modules, model)
