@@ -3,7 +3,7 @@
     python benchmarks/gpt3_seed.py [--budget 80GB] [--shard-degree 64] [--time-limit 60]
 
 Profiles the model on the meta device as one rank of a ZeRO-3 group (bf16 compute, fp32 masters,
-AdamW), then compares, at the per-rank budget, what users do by hand — checkpoint every
+AdamW, CUDA's kernels: 1-byte dropout masks), then compares, at the per-rank budget, what users do by hand — checkpoint every
 transformer block (``gradient_checkpointing_enable``), Chen's √N segments (``sqrt``) — with
 ``auto``. Every number is the simulator's (no GPU runs here); recompute is reported both as the
 roofline estimate of the step (``overhead``) and as recomputed forward FLOPs over one forward
@@ -57,7 +57,9 @@ def main() -> None:
     model, args, kwargs = example.build()
     spec = ckptplan.ShardSpec(options.shard_degree, master_dtype=example.TRAINING["master_dtype"])
     started = time.perf_counter()
-    graph = ckptplan.profile(model, args, kwargs, optimizer=example.TRAINING["optimizer"], shard=spec)
+    graph = ckptplan.profile(
+        model, args, kwargs, optimizer=example.TRAINING["optimizer"], shard=spec, target=example.TRAINING["target"]
+    )
     profile_seconds = time.perf_counter() - started
     budget = parse_budget(options.budget, graph.baseline_peak_bytes)
     static = graph.static

@@ -62,6 +62,8 @@ def make_plan(
             inputs=tuple(InputInfo(shape=t.shape, dtype=t.dtype) for t in graph.inputs),
             node_count=len(graph.nodes),
             sharding=_sharding(graph),
+            autocast=graph.autocast,
+            target=graph.target,
         ),
         budget=budget or BudgetInfo(requested=str(report.peak_bytes), bytes=report.peak_bytes),
         solver=solver or SolverInfo(name="manual", status="feasible", seconds=0.0),

@@ -127,6 +127,12 @@ class ComputeGraph:
     loss_nodes: tuple[int, ...]
     inputs: tuple[TensorSpec, ...] = ()
     trace: str = "export"
+    # The dtype name ("bfloat16", "float16") when the step's forward runs under torch.autocast:
+    # the graph's bytes are then those of that step, and the fingerprint tells it apart.
+    autocast: str | None = None
+    # The device kind whose kernels the recorded bytes follow ("cpu", "cuda"; see
+    # ``profiler.profile``), None for graphs not profiled from a model.
+    target: str | None = None
     # Set by ``ckptplan.sharding.shard_graph``: the layout one rank's memory follows, and the
     # static memory before sharding (which the fingerprint keeps using).
     sharding: ShardLayout | None = None
@@ -218,7 +224,7 @@ class ComputeGraph:
     @cached_property
     def fingerprint(self) -> str:
         """Stable hash of structure, sizes and dtypes: equal for the same model and input shapes
-        (sharded or not)."""
+        (sharded or not) profiled under the same autocast dtype for the same target's kernels."""
         static = self.unsharded_static or self.static
         payload = {
             "nodes": [
@@ -228,6 +234,10 @@ class ComputeGraph:
             "inputs": [[list(t.shape), t.dtype] for t in self.inputs],
             "static": [static.param_bytes, static.buffer_bytes, static.grad_bytes],
         }
+        if self.autocast is not None:  # only then, so graphs without autocast keep their fingerprint
+            payload["autocast"] = self.autocast
+        if self.target == "cuda":  # only then, so graphs of CPU kernels keep the fingerprint they had
+            payload["target"] = self.target
         blob = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

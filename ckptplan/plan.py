@@ -84,11 +84,18 @@ class ShardingInfo(_Frozen):
 
 
 class ModelInfo(_Frozen):
+    """The profiled step the plan is for. ``autocast``: the dtype its forward ran under
+    ``torch.autocast`` with (None: no autocast); ``target``: the device kind whose kernels its
+    bytes follow (``profiler.profile``). Plans written before either existed have None, and were
+    fingerprinted as ``"cpu"`` ones."""
+
     name: str
     fingerprint: str
     inputs: tuple[InputInfo, ...] = ()
     node_count: int = Field(ge=0)
     sharding: ShardingInfo | None = None
+    autocast: Literal["bfloat16", "float16"] | None = None
+    target: Literal["cpu", "cuda"] | None = None
 
 
 class BudgetInfo(_Frozen):

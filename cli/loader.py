@@ -2,7 +2,7 @@
 
 A model file defines ``build()`` (or the function named after the colon) returning
 ``(model, args)`` or ``(model, args, kwargs)``, or module-level ``model`` and ``example_inputs``;
-optionally ``TRAINING``, defaults for how it is trained (``optimizer``, ``master_dtype``).
+optionally ``TRAINING``, defaults for how it is trained (``TRAINING_KEYS``).
 Every way this can go wrong is a ``ModelFileError`` with one sentence that says what to fix.
 """
 
@@ -72,21 +72,33 @@ def load_model(text: str) -> Iterator[LoadedModel]:
         yield dataclasses.replace(loaded, training=_training(spec, module))
 
 
-TRAINING_KEYS = ("optimizer", "master_dtype")
+TRAINING_KEYS = ("optimizer", "master_dtype", "autocast", "target")
+# Spellings of the dtypes torch.autocast lowers to, by the torch dtype name each means
+# (``--autocast`` and TRAINING's "autocast").
+AUTOCAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+TARGETS = ("cpu", "cuda")
 
 
 def _training(spec: ModelSpec, module: ModuleType) -> dict[str, str]:
     """The optional module-level ``TRAINING`` dict: how the model is trained, used where the
-    command line does not say (``{"optimizer": "adamw", "master_dtype": "float32"}``)."""
+    command line does not say (``{"optimizer": "adamw", "master_dtype": "float32",
+    "autocast": "bf16", "target": "cuda"}``). ``autocast`` comes back as a torch dtype name."""
     training = getattr(module, "TRAINING", {})
+    where = f"TRAINING in {str(spec.path)!r}"
     if not isinstance(training, dict) or not all(isinstance(v, str) for v in training.values()):
-        raise ModelFileError(f"TRAINING in {str(spec.path)!r} must be a dict of strings, e.g. {{'optimizer': 'adamw'}}.")
+        raise ModelFileError(f"{where} must be a dict of strings, e.g. {{'optimizer': 'adamw'}}.")
     unknown = sorted(set(training) - set(TRAINING_KEYS))
     if unknown:
-        raise ModelFileError(
-            f"TRAINING in {str(spec.path)!r} has key {unknown[0]!r}; use only {', '.join(map(repr, TRAINING_KEYS))}."
-        )
-    return dict(training)
+        raise ModelFileError(f"{where} has key {unknown[0]!r}; use only {', '.join(map(repr, TRAINING_KEYS))}.")
+    training = dict(training)
+    if "autocast" in training:
+        name = AUTOCAST_DTYPES.get(training["autocast"].strip().lower())
+        if name is None:
+            raise ModelFileError(f"{where} has autocast {training['autocast']!r}; use 'bf16' or 'fp16'.")
+        training["autocast"] = name
+    if "target" in training and training["target"] not in TARGETS:
+        raise ModelFileError(f"{where} has target {training['target']!r}; use 'cpu' or 'cuda'.")
+    return training
 
 
 def _check_file(spec: ModelSpec) -> None:

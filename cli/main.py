@@ -19,7 +19,7 @@ from rich.logging import RichHandler
 
 import ckptplan
 from ckptplan.cli.exits import EXIT_ERROR, exits_on_error
-from ckptplan.cli.loader import LoadedModel, load_model
+from ckptplan.cli.loader import AUTOCAST_DTYPES, LoadedModel, load_model
 from ckptplan.cli.render import render_plan, render_profile, render_sweep, render_verification, stderr_console
 from ckptplan.cli.summary import summarize
 from ckptplan.errors import BudgetError
@@ -97,6 +97,32 @@ MasterDtypeOpt = Annotated[
 ]
 
 
+def _autocast_name(value: str | None) -> str | None:
+    """``--autocast`` as a torch dtype name; any other spelling is a usage error (exit code 2)."""
+    if value is None:
+        return None
+    name = AUTOCAST_DTYPES.get(value.strip().lower())
+    if name is None:
+        raise typer.BadParameter(f"{value!r} is not an autocast dtype; use bf16 or fp16.")
+    return name
+
+
+AutocastOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--autocast", metavar="bf16|fp16", callback=_autocast_name, show_default=False,
+        help="Plan a mixed-precision step: forward and loss under torch.autocast with this dtype, backward outside it.",
+    ),
+]
+TargetOpt = Annotated[
+    Device | None,
+    typer.Option(
+        "--target", case_sensitive=False, show_default=False,
+        help="Whose kernels the step runs on, where they save different bytes (dropout masks: 1 B/element on cuda); default: the model's device, cpu for a meta model.",
+    ),
+]
+
+
 def _print_version(value: bool) -> None:
     # An eager option callback: it must act before click insists on a command.
     if value:
@@ -134,6 +160,8 @@ def solve(
     shard_degree: ShardDegreeOpt = None,
     zero_stage: ZeroStageOpt = 3,
     master_dtype: MasterDtypeOpt = None,
+    autocast: AutocastOpt = None,
+    target: TargetOpt = None,
     time_limit: Annotated[
         float | None,
         typer.Option(min=0.0, metavar="SECONDS", help="Stop the solver after this long.", show_default=False),
@@ -147,7 +175,7 @@ def solve(
         check_plan_target(out, overwrite=force)
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
         log.info("profiling %s", loaded.source)
-        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype)
+        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target)
     log.info("solving %s (%d nodes) with %s", graph.name, len(graph.nodes), solver)
     with _progress(f"solving {graph.name} ({len(graph.nodes)} nodes) with {solver}"):
         plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit)
@@ -172,11 +200,13 @@ def profile(
     shard_degree: ShardDegreeOpt = None,
     zero_stage: ZeroStageOpt = 3,
     master_dtype: MasterDtypeOpt = None,
+    autocast: AutocastOpt = None,
+    target: TargetOpt = None,
 ) -> None:
     """Show where one training step's memory and FLOPs go, per module and per op."""
     with load_model(model) as loaded:
         log.info("profiling %s", loaded.source)
-        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype)
+        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target)
     summary = summarize(graph)
     if json_output:
         _write_stdout(json.dumps(summary.to_dict(), indent=2) + "\n")
@@ -246,6 +276,8 @@ def sweep(
     shard_degree: ShardDegreeOpt = None,
     zero_stage: ZeroStageOpt = 3,
     master_dtype: MasterDtypeOpt = None,
+    autocast: AutocastOpt = None,
+    target: TargetOpt = None,
 ) -> None:
     """Solve at several budgets and show the memory/recompute trade-off."""
     get_solver(solver)
@@ -258,7 +290,7 @@ def sweep(
         check_plotting()
         check_plan_target(plot, overwrite=True)
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
-        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype)
+        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target)
     with _progress(f"solving {graph.name} at {len(requested)} budgets"):
         points = run_sweep(graph, requested, solver=solver)
     if plot is not None:
@@ -302,16 +334,24 @@ def _profile(
     shard_degree: int | None,
     zero_stage: int,
     master_dtype: str | None,
+    autocast: str | None,
+    target: Device | None,
 ) -> ComputeGraph:
     """Profile the loaded model as the options (or, where they are silent, its file's
-    ``TRAINING`` defaults) describe its training step."""
+    ``TRAINING`` defaults, which the loader has checked) describe its training step."""
+    import torch  # here, not at the top: `show` and `schema` never need torch
+
     optimizer_name = optimizer.value if optimizer is not None else loaded.training.get("optimizer")
     master_dtype = master_dtype or loaded.training.get("master_dtype")
+    autocast = autocast or loaded.training.get("autocast")
+    target_name = target.value if target is not None else loaded.training.get("target")
     shard = None
     if shard_degree is not None:
         shard = ShardSpec(shard_degree, stage=zero_stage, master_dtype=master_dtype if zero_stage == 3 else None)
-    return ckptplan.profile(loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=optimizer_name,
-                            shard=shard)
+    return ckptplan.profile(
+        loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=optimizer_name, shard=shard,
+        autocast=getattr(torch, autocast) if autocast is not None else None, target=target_name,
+    )
 
 
 def _write_stdout(text: str) -> None:

@@ -39,6 +39,7 @@ def render_plan(console: Console, plan: Plan) -> None:
     gap = "" if solver.gap is None else f", gap {solver.gap:.2%}"
     rows = [
         ("model", f"{plan.model.name} ({plan.model.node_count} nodes, fingerprint {plan.model.fingerprint})"),
+        *_step_rows(plan.model.autocast, plan.model.target),
         ("budget", f"{plan.budget.requested} = {describe_bytes(plan.budget.bytes)}" + _per_rank(plan)),
         ("solver", f"{solver.name}: {solver.status} in {solver.seconds:.2f} s{gap}"),
     ]
@@ -58,6 +59,17 @@ def render_plan(console: Console, plan: Plan) -> None:
     console.print(_regions_table(plan))
     if plan.regions and plan.nodes:
         console.print(_modules_table(plan))
+
+
+def _step_rows(autocast: str | None, target: str | None) -> list[tuple[str, str]]:
+    """Facts rows for the step a graph or plan models, where it says: its autocast dtype and
+    whose kernels its bytes follow."""
+    rows = []
+    if autocast is not None:
+        rows.append(("autocast", f"{autocast}: forward and loss under torch.autocast, backward outside it"))
+    if target is not None:
+        rows.append(("target", f"{target} kernels"))
+    return rows
 
 
 SPARKLINE_BLOCKS = "▁▂▃▄▅▆▇█"
@@ -196,6 +208,7 @@ def render_profile(console: Console, summary: ProfileSummary) -> None:
         _facts(
             [
                 ("model", f"{summary.model} ({summary.node_count} nodes, fingerprint {summary.fingerprint})"),
+                *_step_rows(summary.autocast, summary.target),
                 ("static", static_line),
                 ("activations", format_bytes(summary.activation_bytes)),
                 ("baseline peak", format_bytes(summary.baseline_peak_bytes)),

@@ -28,6 +28,8 @@ class ProfileSummary:
     model: str
     fingerprint: str
     node_count: int
+    autocast: str | None
+    target: str | None
     static: dict[str, Any]
     activation_bytes: int
     baseline_peak_bytes: int
@@ -40,6 +42,8 @@ class ProfileSummary:
             "model": self.model,
             "fingerprint": self.fingerprint,
             "nodes": self.node_count,
+            "autocast": self.autocast,
+            "target": self.target,
             "static": self.static,
             "activation_bytes": self.activation_bytes,
             "baseline_peak_bytes": self.baseline_peak_bytes,
@@ -57,6 +61,8 @@ def summarize(graph: ComputeGraph) -> ProfileSummary:
         model=graph.name,
         fingerprint=graph.fingerprint,
         node_count=len(graph.nodes),
+        autocast=graph.autocast,
+        target=graph.target,
         static=dataclasses.asdict(graph.static),
         activation_bytes=graph.activation_bytes,
         baseline_peak_bytes=graph.baseline_peak_bytes,

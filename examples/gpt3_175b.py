@@ -3,8 +3,9 @@ one sequence per rank, as a `transformers` GPT-2 built from its config on the ``
 nothing is allocated, so it plans on a laptop.
 
 The parameters are bfloat16, as FSDP2 computes with ``MixedPrecisionPolicy(param_dtype=bf16)``;
-``TRAINING`` says the sharded masters, gradients and AdamW state are float32. Attention is the
-eager kind (explicit softmax and dropout), the layer Korthikanti et al. (2022) count activations for.
+``TRAINING`` says the sharded masters, gradients and AdamW state are float32, and that the step
+runs CUDA's kernels (dropout keeps 1-byte masks). Attention is the eager kind (explicit softmax
+and dropout), the layer Korthikanti et al. (2022) count activations for.
 
     ckptplan solve examples/gpt3_175b.py --budget 80GB --shard-degree 64
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-TRAINING = {"optimizer": "adamw", "master_dtype": "float32"}
+TRAINING = {"optimizer": "adamw", "master_dtype": "float32", "target": "cuda"}
 
 
 def build(layers: int = 96, hidden: int = 12288, heads: int = 96, seq: int = 2048, batch: int = 1):

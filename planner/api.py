@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ckptplan.errors import FingerprintMismatchError
 from ckptplan.plan import Plan
 from ckptplan.planner.emit import CheckpointedModule, emit
 from ckptplan.profiler import profile
-from ckptplan.profiler.trace import TraceMode
+from ckptplan.profiler.trace import Target, TraceMode
 from ckptplan.sharding import ShardSpec
 from ckptplan.solvers import solve
 
@@ -26,10 +27,16 @@ def checkpoint(
     optimizer: str | None = None,
     time_limit: float | None = None,
     shard: ShardSpec | None = None,
+    autocast: torch.dtype | None = None,
+    target: Target | None = None,
 ) -> CheckpointedModule:
     """Profile ``model``, solve for ``budget`` and return the rewritten module (``plan`` attached
-    as ``module.ckptplan_plan``). ``shard``: plan one rank of a sharded step (``ckptplan.sharding``)."""
-    graph = profile(model, args, kwargs, trace=trace, optimizer=optimizer, shard=shard)
+    as ``module.ckptplan_plan``). ``shard``: plan one rank of a sharded step (``ckptplan.sharding``).
+    ``autocast``, ``target``: as ``profile`` takes them; with ``autocast``, run the module's
+    forward and loss under ``torch.autocast`` with that dtype and its backward outside it."""
+    graph = profile(
+        model, args, kwargs, trace=trace, optimizer=optimizer, shard=shard, autocast=autocast, target=target
+    )
     plan = solve(graph, budget, solver=solver, time_limit=time_limit)
     module = emit(graph, plan)
     module.__dict__["ckptplan_plan"] = plan
@@ -47,6 +54,9 @@ def apply(
 ) -> CheckpointedModule:
     """Re-trace ``model`` and emit ``plan``; refuses a plan made for another model or shapes.
 
+    The model is profiled as the plan's step was: under its autocast dtype (run the module's
+    forward and loss under ``torch.autocast`` with it, as that step did) and for its target's
+    kernels (a plan made on ``meta`` for ``"cuda"`` applies to the model on a GPU, or on CPU).
     A plan made for a sharded step (``plan.model.sharding``) is emitted for the same shard
     units, so that ``fully_shard`` on the model's blocks composes with the result. In a
     distributed job, solve once and give every rank the same plan file: each rank then runs
@@ -56,7 +66,11 @@ def apply(
     if sharding is not None:
         shard = ShardSpec(sharding.degree, stage=sharding.stage, master_dtype=sharding.master_dtype,
                           units=sharding.units)
-    graph = profile(model, args, kwargs, trace=trace or "export", optimizer=optimizer, shard=shard)
+    autocast = getattr(torch, plan.model.autocast) if plan.model.autocast is not None else None
+    graph = profile(
+        model, args, kwargs, trace=trace or "export", optimizer=optimizer, shard=shard, autocast=autocast,
+        target=plan.model.target or "cpu",  # plans from before targets were fingerprinted as CPU ones
+    )
     if graph.fingerprint != plan.model.fingerprint:
         raise FingerprintMismatchError(
             f"Plan was made for {plan.model.name} with fingerprint {plan.model.fingerprint}, but this model "

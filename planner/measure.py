@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ckptplan.profiler.loss import training_loss
+from ckptplan.profiler.trace import model_device_type
 
 
 @dataclass(frozen=True)
@@ -20,11 +22,26 @@ class Measurement:
     loss: float
 
 
-def measure_step(module: nn.Module, args: Any, kwargs: dict[str, Any] | None = None) -> Measurement:
+def forward_autocast(
+    module: nn.Module, args: tuple, kwargs: dict[str, Any], autocast: torch.dtype | None
+) -> contextlib.AbstractContextManager:
+    """What a step's forward and loss run under: ``torch.autocast`` with dtype ``autocast`` on
+    the device of ``module``'s tensors (backward then runs outside it, as the profile of an
+    autocast step has it), or nothing when ``autocast`` is None."""
+    if autocast is None:
+        return contextlib.nullcontext()
+    device_type = model_device_type(module, pytree.tree_leaves((args, kwargs)))
+    return torch.autocast(device_type=device_type, dtype=autocast)
+
+
+def measure_step(
+    module: nn.Module, args: Any, kwargs: dict[str, Any] | None = None, *, autocast: torch.dtype | None = None
+) -> Measurement:
     """Run one training step (forward, ``training_loss``, backward) and return MemTracker's peak.
 
     Gradients are reset to None first, as ``optimizer.zero_grad()`` does by default, so the step
-    starts from the state a training loop sees.
+    starts from the state a training loop sees. ``autocast``: run forward and loss under
+    ``torch.autocast`` with this dtype and backward outside it (``forward_autocast``).
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -36,7 +53,8 @@ def measure_step(module: nn.Module, args: Any, kwargs: dict[str, Any] | None = N
     tracker = MemTracker()
     tracker.track_external(module, *inputs)
     with tracker:
-        loss = training_loss(module(*args, **kwargs))
+        with forward_autocast(module, args, kwargs, autocast):
+            loss = training_loss(module(*args, **kwargs))
         loss.backward()
         value = float(loss.detach())
         del loss

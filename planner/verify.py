@@ -15,7 +15,7 @@ from torch import nn
 from ckptplan.errors import CkptPlanError
 from ckptplan.plan import Plan
 from ckptplan.planner.api import apply
-from ckptplan.planner.measure import measure_step
+from ckptplan.planner.measure import forward_autocast, measure_step
 from ckptplan.profiler.loss import training_loss
 
 
@@ -65,7 +65,10 @@ def verify(
     device: str = "cpu",
 ) -> Verification:
     """Apply ``plan`` to ``model`` and measure it (MemTracker on CPU; on CUDA the peak of
-    ``torch.cuda.max_memory_allocated`` above the memory resident before the step)."""
+    ``torch.cuda.max_memory_allocated`` above the memory resident before the step).
+
+    Each step is the step the plan was made for: with ``plan.model.autocast``, forward and loss
+    run under ``torch.autocast`` with that dtype on the model's device and backward outside it."""
     if steps < 1:
         raise CkptPlanError("--steps must be at least 1.")
     if device not in ("cpu", "cuda"):
@@ -79,9 +82,10 @@ def verify(
         args, kwargs = _to(args, device), _to(kwargs, device)
     reference = copy.deepcopy(model)
     emitted = apply(model, args, plan, kwargs)
-    grads_equal, error = _compare_gradients(reference, emitted, model, args, kwargs)
-    measured = _peak(emitted, args, kwargs, device)
-    original = _peak(reference, args, kwargs, device)
+    step = _Step(args, kwargs, getattr(torch, plan.model.autocast) if plan.model.autocast is not None else None)
+    grads_equal, error = _compare_gradients(reference, emitted, model, step)
+    measured = _peak(emitted, step, device)
+    original = _peak(reference, step, device)
     return Verification(
         device=device,
         budget_bytes=plan.budget.bytes,
@@ -90,8 +94,8 @@ def verify(
         original_peak_bytes=original,
         gradients_equal=grads_equal,
         max_grad_error=error,
-        original_step_seconds=_median_step_seconds(reference, args, kwargs, steps, device),
-        emitted_step_seconds=_median_step_seconds(emitted, args, kwargs, steps, device),
+        original_step_seconds=_median_step_seconds(reference, step, steps, device),
+        emitted_step_seconds=_median_step_seconds(emitted, step, steps, device),
     )
 
 
@@ -99,17 +103,27 @@ def _to(value: Any, device: str) -> Any:
     return torch.utils._pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
 
 
-def _step(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    module.zero_grad(set_to_none=True)
-    training_loss(module(*args, **kwargs)).backward()
+@dataclass(frozen=True)
+class _Step:
+    """One training step's inputs and the autocast dtype its forward runs under (None: none)."""
+
+    args: tuple
+    kwargs: dict
+    autocast: torch.dtype | None
+
+    def run(self, module: nn.Module) -> None:
+        module.zero_grad(set_to_none=True)
+        with forward_autocast(module, self.args, self.kwargs, self.autocast):
+            loss = training_loss(module(*self.args, **self.kwargs))
+        loss.backward()
 
 
 def _compare_gradients(
-    reference: nn.Module, emitted: nn.Module, model: nn.Module, args: tuple, kwargs: dict
+    reference: nn.Module, emitted: nn.Module, model: nn.Module, step: _Step
 ) -> tuple[bool, float]:
     for module in (reference, emitted):
         torch.manual_seed(0)  # same dropout masks in both
-        _step(module, args, kwargs)
+        step.run(module)
     equal, worst = True, 0.0
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         if (p.grad is None) != (q.grad is None):
@@ -121,18 +135,18 @@ def _compare_gradients(
     return equal, worst
 
 
-def _peak(module: nn.Module, args: tuple, kwargs: dict, device: str) -> int:
+def _peak(module: nn.Module, step: _Step, device: str) -> int:
     if device == "cpu":
-        return measure_step(module, args, kwargs).peak_bytes
+        return measure_step(module, step.args, step.kwargs, autocast=step.autocast).peak_bytes
     # CUDA: the step's own peak above whatever else is allocated, plus the module's state and
     # inputs, which the plan's budget counts.
     module.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    _step(module, args, kwargs)
+    step.run(module)
     torch.cuda.synchronize()
-    tensors = [*module.parameters(), *module.buffers(), *_tensors((args, kwargs))]
+    tensors = [*module.parameters(), *module.buffers(), *_tensors((step.args, step.kwargs))]
     own = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
     return torch.cuda.max_memory_allocated() - before + own
 
@@ -141,13 +155,13 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _median_step_seconds(module: nn.Module, args: tuple, kwargs: dict, steps: int, device: str) -> float:
+def _median_step_seconds(module: nn.Module, step: _Step, steps: int, device: str) -> float:
     times = []
     for _ in range(steps):
         if device == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
-        _step(module, args, kwargs)
+        step.run(module)
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)

@@ -13,15 +13,17 @@ import time
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
+from ckptplan.errors import CkptPlanError
 from ckptplan.graph import ComputeGraph, TensorSpec
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.loss import loss_leaves, training_loss
 from ckptplan.profiler.record import record_graph
 from ckptplan.profiler.shard import shard_layout
 from ckptplan.profiler.static import static_memory
-from ckptplan.profiler.trace import TraceMode, trace_model
+from ckptplan.profiler.trace import Autocast, Target, TraceMode, model_device_type, trace_model
 from ckptplan.sharding import ShardSpec, shard_graph
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,8 @@ def profile(
     optimizer: str | None = None,
     roofline: Roofline = A100,
     shard: ShardSpec | None = None,
+    autocast: torch.dtype | None = None,
+    target: Target | None = None,
 ) -> ComputeGraph:
     """Trace ``model(*args, **kwargs)`` for one training step and annotate it for planning.
 
@@ -45,12 +49,37 @@ def profile(
     tensors, so nothing is allocated and the model's parameters and buffers are not touched.
     ``optimizer`` (``"adamw"``, ``"adam"``, ``"sgd"`` or None) adds its state to resident memory.
     ``shard``: plan one rank of a sharded data-parallel group (``ckptplan.sharding``).
+    ``autocast`` (``torch.bfloat16``, ``torch.float16`` or None): plan a mixed-precision step
+    whose forward and loss run under ``torch.autocast(device_type, dtype=autocast)`` and whose
+    backward runs outside it, as PyTorch's AMP recipe has it; run the emitted module the same way.
+    The graph is traced and recorded under autocast, so the dtypes the model's code reads, saved
+    tensors, workspaces and autocast's parameter casts are those of that step. Running backward
+    inside the context as well keeps autocast's cache of parameter casts alive through it: up to
+    the low-precision copies of all weights more than predicted.
+    ``target`` (``"cuda"``, ``"cpu"`` or None): the device kind whose kernels the step runs on,
+    where they save different tensors for backward: dropout keeps a 1-byte ``torch.bool`` mask
+    per element on CUDA and its scaling noise in the input's dtype on CPU. None means the device
+    of the model's tensors, and ``"cpu"`` for a model on ``meta``: a meta model profiles as the
+    same model on CPU (as it does under autocast), and keeps the bytes and fingerprint it had
+    before targets existed. Give ``target="cuda"`` to plan a meta model for GPUs. Only dropout's
+    kernels follow the target; other ops (attention backends, and on a meta model autocast's
+    casting rules) are those of the device the model's tensors are faked on.
     """
+    autocast_name = _autocast_name(autocast)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     started = time.perf_counter()
-    traced = trace_model(model, args, kwargs, trace)
+    flat_inputs = pytree.tree_leaves((args, kwargs or {}))
+    device_type = model_device_type(model, flat_inputs)
+    target = _target(target, device_type)
+    spec = None
+    if autocast is not None:
+        spec = Autocast.for_model(autocast, model, flat_inputs)
+    traced = trace_model(model, args, kwargs, trace, spec)
     traced_seconds = time.perf_counter() - started
-    recording = record_graph(traced.gm, traced.flat_inputs, roofline, loss_leaves)
+    own_kernels = "cuda" if device_type == "cuda" else "cpu"
+    recording = record_graph(
+        traced.gm, traced.flat_inputs, roofline, loss_leaves, spec, target=None if target == own_kernels else target
+    )
     static = static_memory(recording.storages, optimizer)
     graph = ComputeGraph(
         name=type(model).__name__,
@@ -65,6 +94,8 @@ def profile(
             if isinstance(x, torch.Tensor)
         ),
         trace=traced.mode,
+        autocast=autocast_name,
+        target=target,
         traced=traced.gm,
         model=model,
     )
@@ -75,3 +106,29 @@ def profile(
         graph.name, len(graph.nodes), traced_seconds, time.perf_counter() - started,
     )
     return graph
+
+
+# The dtypes torch.autocast lowers to on CPU and CUDA; any other makes it disable itself.
+_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _autocast_name(dtype: Any) -> str | None:
+    """``"bfloat16"`` for ``torch.bfloat16``; refuses what ``torch.autocast`` would ignore, which
+    would otherwise profile a full-precision step under a mixed-precision name."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype) or dtype not in _AUTOCAST_DTYPES:
+        raise CkptPlanError(f"autocast must be torch.bfloat16, torch.float16 or None, not {dtype!r}.")
+    return str(dtype).removeprefix("torch.")
+
+
+_TARGETS: tuple[Target, ...] = ("cpu", "cuda")
+
+
+def _target(target: Any, device_type: str) -> Target:
+    """``target`` checked, or the kernels of ``device_type`` (a meta model's are CPU's)."""
+    if target is None:
+        return "cuda" if device_type == "cuda" else "cpu"
+    if target not in _TARGETS:
+        raise CkptPlanError(f"target must be 'cpu', 'cuda' or None, not {target!r}.")
+    return target

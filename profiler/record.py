@@ -8,9 +8,10 @@ machine profiles the same way, and the model's own parameters and buffers are ne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,13 +20,16 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn import functional as F
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckptplan.errors import TraceError
 from ckptplan.graph import Node, Storage, StorageKind
 from ckptplan.profiler.cost import Roofline
+from ckptplan.profiler.trace import Autocast, Target, fake_copy, named_state
 
 log = logging.getLogger(__name__)
 
@@ -49,28 +53,45 @@ class _AllocationMeter(TorchDispatchMode):
     """Peak bytes of storages allocated since ``start()`` and still alive, op by op.
 
     Lets the recorder see what an op allocates and frees *inside* itself (the temporaries of
-    composite ops such as math attention or cross-entropy), which no node output shows."""
+    composite ops such as math attention or cross-entropy), which no node output shows.
+
+    Storages are keyed by ``storage_key``, the address of their ``StorageImpl``, which the
+    allocator hands out again once a storage dies. Two rules keep the count independent of
+    which addresses get reused: a dead storage leaves ``_live`` (``_prune``) before any new
+    output is looked up, and ``_known`` (storages not to count) only ever holds storages the
+    caller keeps alive for the whole measurement, so no new allocation can share their key.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self._known: set[int] = set()
+        self._known: tuple[Collection[int], ...] = ()
         self.current_bytes = 0
         self.peak_bytes = 0
         self.saw_random = False
 
-    def start(self, existing: set[int], watch: list[torch.Tensor] = ()) -> None:
-        """Measure from zero. ``existing`` storages are ignored; ``watch`` storages already exist
-        and count as freed (negative) when they die."""
+    def start(self, *existing: Collection[int], watch: Iterable[torch.Tensor] = ()) -> None:
+        """Measure from zero.
+
+        ``existing``: collections of keys of storages that are not counted; the caller keeps
+        each of them alive until the measurement is read (they are read, not copied, so the
+        recorder's growing index costs nothing per op). ``watch``: storages that already exist
+        and may die during the measurement; they count as freed (negative) when they do. They
+        go into ``_live``, never ``_known``: once one dies, a new allocation may get its key and
+        must be counted (counting it as known made backward workspaces depend on which
+        addresses the allocator happened to reuse).
+        """
         self._live.clear()
         self._known = existing
         self.current_bytes = self.peak_bytes = 0
         self.saw_random = False
         for t in watch:
             key = storage_key(t)
-            if key not in existing and key not in self._live:
+            if not self._is_known(key) and key not in self._live:
                 self._live[key] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
-                self._known = self._known | {key}
+
+    def _is_known(self, key: int) -> bool:
+        return any(key in keys for keys in self._known)
 
     def alive_bytes(self, keys: set[int]) -> int:
         """Bytes of storages allocated since ``start()`` whose keys are in ``keys``."""
@@ -81,19 +102,92 @@ class _AllocationMeter(TorchDispatchMode):
         for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
             self.current_bytes -= self._live.pop(key)[1]
 
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = _as_eager(func, args, func(*args, **(kwargs or {})))
         self.saw_random = self.saw_random or torch.Tag.nondeterministic_seeded in func.tags
         self._prune()
         for t in _tensors(out):
             key = storage_key(t)
-            if key not in self._live and key not in self._known:
+            if key not in self._live and not self._is_known(key):
                 nbytes = t.untyped_storage().nbytes()
                 self._live[key] = (StorageWeakRef(t.untyped_storage()), nbytes)
                 self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         return out
+
+
+_aten = torch.ops.aten
+# Normalisations: position of the input and of the weight among their arguments.
+_NORMS = {
+    _aten.native_layer_norm.default: (0, 2),
+    _aten.native_group_norm.default: (0, 1),
+    _aten.native_batch_norm.default: (0, 1),
+}
+
+
+def _as_eager(func: Any, args: tuple, out: Any) -> Any:
+    """``out`` with the dtypes the eager kernels give where the fake ones differ (torch 2.13).
+
+    On a low-precision input with a float32 weight, as CPU autocast leaves normalisations, the
+    eager kernels return the statistics (mean, rstd) in float32 and group norm's backward returns
+    the input gradient in the input's dtype; their fake kernels, decompositions, return the
+    input's dtype for the former and float32 (then a cast) for the latter, which would put a
+    float32 copy of the input into group norm's backward workspace."""
+    if func in _NORMS:
+        x, weight = args[_NORMS[func][0]], args[_NORMS[func][1]]
+        if weight is not None and weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
+            y, *stats = out
+            return (y, *(torch.empty_like(s, dtype=torch.float32) for s in stats))
+    elif func is _aten.native_group_norm_backward.default:
+        grad_input, x = out[0], args[1]
+        if grad_input is not None and grad_input.dtype != x.dtype:
+            return (torch.empty_like(grad_input, dtype=x.dtype), *out[1:])
+    return out
+
+
+class _DropoutAs(TorchFunctionMode):
+    """Runs dropout as ``target``'s kernels do, on fake tensors of another device (issue #5).
+
+    ATen's ``dropout`` on CUDA, when training with 0 < p < 1 on a non-empty tensor, calls
+    ``native_dropout``, whose backward keeps a ``torch.bool`` mask: 1 byte per element. On CPU
+    and meta it takes the unfused path, ``input * empty_like(input).bernoulli_(1 - p).div_(1 - p)``,
+    whose backward keeps that noise in the input's dtype: 2 or 4 bytes per element. Only the
+    kernels change: the graph keeps its dropout node, which the emitted module runs on the
+    user's device. In-place dropout takes the unfused path everywhere and is left alone.
+    """
+
+    def __init__(self, target: Target) -> None:
+        super().__init__()
+        self.target = target
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        call = _dropout_call(func, args, kwargs)
+        if call is None:
+            return func(*args, **kwargs)
+        return _dropout_as(self.target, *call)
+
+
+def _dropout_call(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor, float, bool] | None:
+    """``(input, p, train)`` of an out-of-place dropout call, else None."""
+    if func is _aten.dropout.default or func is torch.dropout:
+        bound = dict(zip(("input", "p", "train"), args, strict=False)) | kwargs
+        return bound["input"], bound["p"], bound["train"]
+    if func is F.dropout:
+        bound = dict(zip(("input", "p", "training", "inplace"), args, strict=False)) | kwargs
+        if bound.get("inplace", False):
+            return None
+        return bound["input"], bound.get("p", 0.5), bound.get("training", True)
+    return None
+
+
+def _dropout_as(target: Target, x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``dropout(x, p, train)`` as ATen runs it on ``target`` (``at::native::dropout``)."""
+    if not (train and 0 < p < 1 and x.numel() > 0):  # no kernel at all: x itself, or x * 0
+        return _aten.dropout.default(x, p, train)
+    if target == "cuda":
+        return _aten.native_dropout.default(x, p, train)[0]
+    return x * torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
 
 
 @dataclass
@@ -122,6 +216,8 @@ class _Recorder:
         self.rec = Recording()
         self.node_index: dict[torch.fx.Node, int] = {}
         self.value_owner: dict[int, int] = {}  # id(value) of a node's output -> node index
+        self.autocast: Autocast | None = None
+        self.target: Target | None = None  # whose dropout kernels to run, if not the fake tensors' device's
 
     def add_storage(self, t: torch.Tensor, kind: StorageKind, producer: int = -1, trainable: bool = False) -> int:
         key = storage_key(t)
@@ -159,14 +255,15 @@ def _op_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
     return torch.fx.node._get_qualified_name(target)
 
 
-def _fake_state(gm: torch.fx.GraphModule, mode: FakeTensorMode) -> dict[str, torch.Tensor]:
+def _fake_state(
+    gm: torch.fx.GraphModule, mode: FakeTensorMode, meta_as: torch.device | None = None
+) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     memo: dict[int, torch.Tensor] = {}
-    named = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
-    for name, tensor in named:
+    for name, tensor in named_state(gm):
         fake = memo.get(id(tensor))
         if fake is None:
-            fake = mode.from_tensor(tensor, static_shapes=True)
+            fake = fake_copy(mode, tensor, meta_as)
             if isinstance(tensor, nn.Parameter):
                 fake.requires_grad_(tensor.requires_grad)
             memo[id(tensor)] = fake
@@ -179,23 +276,37 @@ def record_graph(
     flat_inputs: list[Any],
     roofline: Roofline,
     loss_leaves_fn: Any,
+    autocast: Autocast | None = None,
+    target: Target | None = None,
 ) -> Recording:
-    """Interpret ``gm`` node by node on fake copies of its state and ``flat_inputs``."""
+    """Interpret ``gm`` node by node on fake copies of its state and ``flat_inputs``.
+
+    ``autocast``: run each op's forward under it (and its local backward outside it), so every
+    op goes through the autocast dispatch key: outputs, saved tensors and the parameter casts
+    autocast makes get the dtypes and bytes of that step. A model on ``meta``, which has no
+    autocast dispatch key, is then faked on ``autocast.meta_as``.
+    ``target``: run dropout as that device kind's kernels do (``_DropoutAs``), where it is not
+    the fake tensors' own; None runs every op as their device does.
+    """
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     recorder = _Recorder(gm, roofline)
-    fake_state = _fake_state(gm, mode)
+    recorder.autocast = autocast
+    recorder.target = target
+    meta_as = autocast.meta_as if autocast is not None else None
+    fake_state = _fake_state(gm, mode, meta_as)
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     for name, fake in fake_state.items():
         kind: StorageKind = "param" if name in params else "buffer"
         recorder.add_storage(fake, kind, trainable=kind == "param" and fake.requires_grad)
-    fake_inputs = [
-        mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in flat_inputs
-    ]
+    fake_inputs = [fake_copy(mode, x, meta_as) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
     for x in fake_inputs:
         if isinstance(x, torch.Tensor):
             recorder.add_storage(x, "input")
+    forward = autocast.forward() if autocast is not None else contextlib.nullcontext()
     try:
-        with _reparametrize_module(gm, fake_state), mode:
+        # One autocast context spans the whole run, as it spans a user's forward: its cache of
+        # parameter casts then serves every later use of a parameter, as it does there.
+        with _reparametrize_module(gm, fake_state), mode, forward:
             _interpret(recorder, fake_inputs, loss_leaves_fn)
     except TraceError:
         raise
@@ -240,7 +351,15 @@ def _fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:
     return value
 
 
-def _run(gm: torch.fx.GraphModule, fx_node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+def _run(recorder: _Recorder, fx_node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    """Run one node's op, with the target's dropout kernels when they are not the device's."""
+    if recorder.target is None:
+        return _call(recorder.gm, fx_node, args, kwargs)
+    with _DropoutAs(recorder.target):
+        return _call(recorder.gm, fx_node, args, kwargs)
+
+
+def _call(gm: torch.fx.GraphModule, fx_node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
     if fx_node.op == "call_function":
         return fx_node.target(*args, **kwargs)
     if fx_node.op == "call_method":
@@ -263,8 +382,8 @@ def _record_node(
     args = torch.fx.node.map_arg(fx_node.args, lambda n: env[n])
     kwargs = torch.fx.node.map_arg(fx_node.kwargs, lambda n: env[n])
     flops_before = counter.flops.get_total_flops()
-    counter.alloc.start(set(recorder.storage_of))
-    out = _run(gm, fx_node, args, kwargs)
+    counter.alloc.start(recorder.storage_of.keys())
+    out = _run(recorder, fx_node, args, kwargs)
     fwd_flops = counter.flops.get_total_flops() - flops_before
     kept = {storage_key(t) for t in _tensors(out)} | {storage_key(t) for t in saved_log}
     fwd_workspace = max(0, counter.alloc.peak_bytes - counter.alloc.alive_bytes(kept))
@@ -368,7 +487,6 @@ def _local_backward(
     The op runs again on detached copies of its activation inputs, so the gradient stops at
     them instead of flowing back through the rest of the graph.
     """
-    gm = recorder.gm
     leaves: dict[int, torch.Tensor] = {}
 
     def detach(value: Any) -> Any:
@@ -382,15 +500,20 @@ def _local_backward(
     try:
         local_args, local_kwargs = pytree.tree_map(detach, (args, kwargs))
         first_saved = len(saved_log)
-        local_out = [t for t in _tensors(_run(gm, fx_node, local_args, local_kwargs)) if t.requires_grad]
+        local_out = [t for t in _tensors(_run(recorder, fx_node, local_args, local_kwargs)) if t.requires_grad]
         hidden = [t for t in saved_log[first_saved:] if storage_key(t) not in recorder.storage_of]
         del saved_log[first_saved:]
         targets = list(leaves.values()) + params
         seeds = [torch.ones_like(t) for t in local_out]
         before = counter.flops.get_total_flops()
-        counter.alloc.start({storage_key(t) for t in _tensors((local_out, seeds, targets))}, watch=hidden)
+        # Storages the recording already holds are not new either: a saved autocast weight cast
+        # that backward unpacks (as a view) is one of them, and no parameter or argument.
+        local_keys = {storage_key(t) for t in _tensors((local_out, seeds, targets))}
+        counter.alloc.start(recorder.storage_of.keys(), local_keys, watch=hidden)
         del hidden
-        grads = torch.autograd.grad(local_out, targets, seeds, allow_unused=True)
+        backward = recorder.autocast.backward() if recorder.autocast is not None else contextlib.nullcontext()
+        with backward:
+            grads = torch.autograd.grad(local_out, targets, seeds, allow_unused=True)
     except RuntimeError as exc:  # e.g. in-place ops on a fresh leaf; fall back to "no aliasing"
         log.debug("local backward of %s failed (%s)", fx_node.name, exc)
         return 0, False, 0

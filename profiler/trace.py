@@ -13,10 +13,16 @@ from typing import Any, Literal
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
 
 from ckptplan.errors import TraceError
 
+log = logging.getLogger(__name__)
+
 TraceMode = Literal["export", "symbolic"]
+# The device kind whose kernels a profile models where they save different tensors (dropout).
+Target = Literal["cpu", "cuda"]
 _OTHER = {"export": "symbolic", "symbolic": "export"}
 
 
@@ -27,6 +33,48 @@ class Traced:
     gm: torch.fx.GraphModule
     flat_inputs: list[Any]
     mode: TraceMode
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """The ``torch.autocast`` a profiled step's forward runs under.
+
+    The step is PyTorch's mixed-precision recipe: forward and loss inside the context, backward
+    outside it. ``device_type`` is that of the model's tensors; a model on ``meta`` (which has no
+    autocast dispatch key) is recorded as fake ``meta_as`` tensors under that device's autocast.
+    """
+
+    dtype: torch.dtype
+    device_type: str
+    meta_as: torch.device | None = None
+
+    @classmethod
+    def for_model(cls, dtype: torch.dtype, model: nn.Module, flat_inputs: list[Any]) -> Autocast:
+        """The autocast of ``model``'s device (``model_device_type``)."""
+        device_type = model_device_type(model, flat_inputs)
+        if device_type != "meta":
+            return cls(dtype, device_type)
+        log.warning(
+            "%s is on the meta device, which has no autocast: recording it as CPU tensors under CPU "
+            "autocast, whose casting rules differ from CUDA's for some ops (CUDA keeps softmax and "
+            "layer_norm in float32).", type(model).__name__,
+        )
+        return cls(dtype, "cpu", meta_as=torch.device("cpu"))
+
+    def forward(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def backward(self) -> contextlib.AbstractContextManager:
+        """Autocast off, as outside the user's context. Entered inside ``forward()``, it keeps
+        autocast's cache of parameter casts (that empties when the outermost context exits)."""
+        return torch.autocast(device_type=self.device_type, enabled=False)
+
+
+def model_device_type(model: nn.Module, flat_inputs: list[Any]) -> str:
+    """The device type a step of ``model`` runs on: that of its first floating parameter or
+    buffer, else of its first floating input; ``"cpu"`` when it has none."""
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in flat_inputs if isinstance(x, torch.Tensor))]
+    return next((t.device.type for t in tensors if t.is_floating_point()), "cpu")
 
 
 @contextlib.contextmanager
@@ -41,9 +89,15 @@ def training_mode(model: nn.Module) -> Iterator[None]:
             module.training = flag
 
 
-def trace_model(model: nn.Module, args: tuple, kwargs: dict | None, mode: TraceMode) -> Traced:
+def trace_model(
+    model: nn.Module, args: tuple, kwargs: dict | None, mode: TraceMode, autocast: Autocast | None = None
+) -> Traced:
     """Trace ``model(*args, **kwargs)`` in training mode. Failures raise ``TraceError`` naming the
-    cause and the other trace option."""
+    cause and the other trace option.
+
+    ``autocast``: export under it. The graph keeps whole ops (autocast casts at run time, below
+    this IR), but what the model's code reads from dtypes is baked in as the autocast step sees
+    it: ``x.to(q.dtype)``, ``torch.finfo(x.dtype).min``, export's dtype assertions."""
     if mode not in _OTHER:
         raise TraceError(f"Unknown trace mode {mode!r}; use 'export' or 'symbolic'.")
     if not isinstance(model, nn.Module):
@@ -52,7 +106,10 @@ def trace_model(model: nn.Module, args: tuple, kwargs: dict | None, mode: TraceM
     kwargs = dict(kwargs or {})
     with training_mode(model):
         try:
-            if mode == "export":
+            if mode == "export" and autocast is not None:
+                gm = _export_under(autocast, model, args, kwargs)
+                flat = pytree.tree_flatten((args, kwargs))[0]
+            elif mode == "export":
                 gm = _export(model, args, kwargs)
                 flat = pytree.tree_flatten((args, kwargs))[0]
             else:
@@ -94,6 +151,50 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule
     with _quiet_export():
         program = torch.export.export(model, args, kwargs)
     return program.module()
+
+
+def _export_under(autocast: Autocast, model: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    """Export under ``autocast``, so that what the model's code reads from dtypes is what the
+    autocast step reads. A meta model is exported on fake ``autocast.meta_as`` copies of its
+    state and inputs (meta tensors pass autocast by, and would bake float32 in), and the graph
+    then gets the model's own meta parameters and buffers back, as a plain export shares them."""
+    if autocast.meta_as is None:
+        with autocast.forward():
+            return _export(model, args, kwargs)
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    state: dict[str, torch.Tensor] = {}
+    memo: dict[int, torch.Tensor] = {}
+    for name, tensor in named_state(model):
+        if id(tensor) not in memo:
+            fake = fake_copy(mode, tensor, autocast.meta_as)
+            memo[id(tensor)] = nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
+        state[name] = memo[id(tensor)]
+    fake_args, fake_kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: fake_copy(mode, t, autocast.meta_as), (args, kwargs)
+    )
+    with _reparametrize_module(model, state), autocast.forward():
+        gm = _export(model, fake_args, fake_kwargs)
+    own = dict(named_state(model))
+    for name, _ in named_state(gm):
+        if name not in own:
+            raise TraceError(f"Exporting {type(model).__name__} under autocast made state {name!r} it does not have.")
+        owner_path, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(owner_path)
+        slots = owner._parameters if leaf in owner._parameters else owner._buffers
+        slots[leaf] = own[name]
+    return gm
+
+
+def named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters then buffers, by every name they have (tied ones more than once)."""
+    return list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+
+
+def fake_copy(mode: FakeTensorMode, t: torch.Tensor, meta_as: torch.device | None = None) -> torch.Tensor:
+    """A fake copy of ``t`` in ``mode``; with ``meta_as``, a meta tensor's copy is on that device."""
+    if meta_as is not None and t.device.type == "meta":
+        return mode.fake_tensor_converter.from_meta_and_device(mode, t, meta_as)
+    return mode.from_tensor(t, static_shapes=True)
 
 
 def _bind_placeholders(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict) -> list[Any]:

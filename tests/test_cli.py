@@ -356,6 +356,8 @@ def test_profile_json(tiny: Path) -> None:
         "model",
         "fingerprint",
         "nodes",
+        "autocast",
+        "target",
         "static",
         "activation_bytes",
         "baseline_peak_bytes",
@@ -363,6 +365,7 @@ def test_profile_json(tiny: Path) -> None:
         "by_op",
     }
     assert report["nodes"] == 8
+    assert report["autocast"] is None and report["target"] == "cpu"
     assert report["static"]["optimizer"] == "sgd"
     assert report["static"]["optimizer_bytes"] > 0
     assert [row["module"] for row in report["by_module"]] == [str(i) for i in range(8)]
@@ -447,3 +450,56 @@ def test_training_defaults_with_unknown_keys_are_one_clear_error(workdir: Path) 
     result = invoke("solve", model, "--budget", "0.9")
     assert result.exit_code == 1
     assert "TRAINING" in result.output and "'optimiser'" in result.output
+
+
+# Dropout between the linears, so the target's kernels change what backward keeps.
+TINY_DROPOUT = """
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.1))])
+    return model, torch.randn(256, 16)
+"""
+
+
+def test_training_autocast_and_target_are_the_files_defaults(workdir: Path) -> None:
+    plain = write(workdir, "plain_dropout.py", TINY_DROPOUT)
+    mixed = write(workdir, "mixed.py", TINY_DROPOUT + "\nTRAINING = {'autocast': 'bf16', 'target': 'cuda'}\n")
+    default = json.loads(invoke("profile", plain, "--json").stdout)
+    report = json.loads(invoke("profile", mixed, "--json").stdout)
+    assert (report["autocast"], report["target"]) == ("bfloat16", "cuda")
+    assert report["fingerprint"] != default["fingerprint"]
+    given = json.loads(invoke("profile", plain, "--json", "--autocast", "bf16", "--target", "cuda").stdout)
+    assert given == report  # the options and the file's TRAINING describe the same step
+    solved = invoke("solve", mixed, "--budget", "0.9", "--solver", "sqrt", "--json")
+    assert solved.exit_code == 0, solved.output
+    plan = json.loads(solved.stdout)
+    assert (plan["model"]["autocast"], plan["model"]["target"]) == ("bfloat16", "cuda")
+    assert plan["model"]["fingerprint"] == report["fingerprint"]
+    # the command line wins over TRAINING
+    overridden = json.loads(invoke("profile", mixed, "--json", "--autocast", "fp16", "--target", "cpu").stdout)
+    assert (overridden["autocast"], overridden["target"]) == ("float16", "cpu")
+
+
+@pytest.mark.parametrize(
+    ("training", "expected"),
+    [
+        ("{'autocast': 'int8'}", "TRAINING in {path!r} has autocast 'int8'; use 'bf16' or 'fp16'."),
+        ("{'target': 'tpu'}", "TRAINING in {path!r} has target 'tpu'; use 'cpu' or 'cuda'."),
+    ],
+)
+def test_training_with_a_bad_autocast_or_target_is_one_sentence_and_exit_1(
+    workdir: Path, training: str, expected: str
+) -> None:
+    model = write(workdir, "bad_step.py", TINY + f"\nTRAINING = {training}\n")
+    result = invoke("profile", model)
+    assert result.exit_code == 1  # an error in the model file, as README's exit codes have it
+    message = " ".join(result.stderr.replace("│", " ").split())
+    assert expected.format(path=str(model)) in message
+
+
+def test_bad_target_option_is_a_usage_error(tiny: Path) -> None:
+    result = invoke("profile", tiny, "--target", "tpu")
+    assert result.exit_code == 2

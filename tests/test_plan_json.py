@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,8 @@ BAD_PLANS: dict[str, str | bytes] = {
     "extra top-level key": _mutated(_set(["extra"], 1)),
     "extra region key": _mutated(_set(["regions"], [{"start": 0, "end": 4, "policy": "all"}])),
     "extra nested key": _mutated(_set(["model", "owner"], "me")),
+    "unknown autocast dtype": _mutated(_set(["model", "autocast"], "int8")),
+    "unknown target": _mutated(_set(["model", "target"], "tpu")),
 }
 
 
@@ -222,6 +225,25 @@ def test_moderately_nested_regions_still_load() -> None:
     assert depth == 40
 
 
+def test_model_records_the_graphs_autocast_and_target_and_old_plans_load_without_them() -> None:
+    graph = dataclasses.replace(_chain(), autocast="bfloat16", target="cuda")
+    plan = make_plan(graph, [Region(0, 4)])
+    assert (plan.model.autocast, plan.model.target) == ("bfloat16", "cuda")
+    assert plan.model.fingerprint == graph.fingerprint != _chain().fingerprint
+    assert Plan.from_json(plan.to_json()) == plan
+    raw = _plan_dict(plan)
+    del raw["model"]["autocast"], raw["model"]["target"]  # a plan written before the fields existed
+    old = Plan.from_json(json.dumps(raw))
+    assert (old.model.autocast, old.model.target) == (None, None)
+
+
+def test_only_a_cuda_target_enters_the_fingerprint() -> None:
+    graph = _chain()
+    assert graph.target is None
+    assert dataclasses.replace(graph, target="cpu").fingerprint == graph.fingerprint
+    assert dataclasses.replace(graph, target="cuda").fingerprint != graph.fingerprint
+
+
 def test_load_plan_reads_a_saved_plan(tmp_path: Path) -> None:
     plan = _nested_plan()
     path = tmp_path / "plan.json"
@@ -258,6 +280,7 @@ def test_json_schema_describes_the_plan() -> None:
     # Every nested model's fields are in the schema's definitions.
     defs = schema["$defs"]
     assert set(dumped["budget"]) == set(defs["BudgetInfo"]["properties"])
+    assert set(dumped["model"]) == set(defs["ModelInfo"]["properties"])
     assert set(dumped["prediction"]) == set(defs["Prediction"]["properties"])
     assert set(dumped["regions"][0]) == set(defs["Region"]["properties"])
     assert plan_json_schema() == schema  # a fresh dict each time, same content

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import ckptplan
 from ckptplan.errors import TraceError
 from tests import models
+from tests.conftest import load_example
 
 
 def test_nodes_are_compute_ops_in_execution_order() -> None:
@@ -139,3 +140,18 @@ def test_symbolic_trace_records_the_same_memory_as_export() -> None:
     assert symbolic.trace == "symbolic"
     assert symbolic.activation_bytes == exported.activation_bytes
     assert symbolic.baseline_peak_bytes == exported.baseline_peak_bytes
+
+
+def test_repeated_profiles_in_one_process_record_identical_nodes() -> None:
+    """Workspaces are a function of the graph, not of which storage addresses the allocator
+    hands out again (a freed saved tensor's address reused inside a backward used to hide the
+    allocation that got it, so the attention's backward workspace changed from run to run)."""
+    model, args = load_example("gpt").build(batch=2, seq=64)
+    graphs = [ckptplan.profile(model, args) for _ in range(3)]
+    first = graphs[0]
+    for graph in graphs[1:]:
+        workspaces = [(n.name, n.fwd_workspace_bytes, n.bwd_workspace_bytes) for n in graph.nodes]
+        assert workspaces == [(n.name, n.fwd_workspace_bytes, n.bwd_workspace_bytes) for n in first.nodes]
+        assert graph.nodes == first.nodes
+        assert graph.storages == first.storages and graph.static == first.static
+        assert graph.fingerprint == first.fingerprint
