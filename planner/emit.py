@@ -2,6 +2,12 @@
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, keep-sets become selective
 checkpoint policies (``create_selective_checkpoint_contexts``).
 
+Under ``torch.compile`` the regions are checkpoint higher-order ops: dynamo traces each body
+into a subgraph and AOTAutograd's partitioner, not a Python replay, decides what backward
+recomputes. Kept nodes then mark their ops with an ``fx.traceback.annotate`` tag that the
+compile-time policy reads, and the recompute guards step aside (see ``_run_kept`` and
+``_batch_norm_once``).
+
 The emitted module is a drop-in replacement for the profiled model: it shares the model's
 submodules, ``Parameter`` objects and buffers (so ``state_dict`` keys are identical and an
 optimizer built on either works), trains with the checkpointed graph, and in eval mode calls
@@ -14,14 +20,15 @@ import contextlib
 import functools
 import operator
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ckptplan.errors import PlanFormatError
+from ckptplan.errors import CkptPlanError, PlanFormatError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region
 from ckptplan.profiler.record import iter_compute_nodes
@@ -29,6 +36,12 @@ from ckptplan.sharding import fsdp_units
 from ckptplan.simulation import build_region_tree
 
 _STATE = threading.local()
+
+# The ``fx.traceback.annotate`` key that tags a kept node's ops with its region's id under
+# torch.compile, where ``_STATE`` is not set while the policy runs.
+_KEEP_ANNOTATION = "ckptplan_keep"
+# Dynamo records ``fx.traceback.annotate`` in its nodes' meta from torch 2.10 (pytorch#164916).
+_COMPILE_SEES_ANNOTATIONS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 10)
 
 
 def _recomputing() -> bool:
@@ -58,6 +71,49 @@ def _keep_end() -> None:
     _STATE.keep_owner = None
 
 
+def _run_kept(region_id: int, target: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run one kept node of region ``region_id``: ``target`` is its function, module, or (a
+    string) the method it calls on ``args[0]``.
+
+    Eager: between ``_keep_begin`` and ``_keep_end``, which the policy reads while the node's
+    ops dispatch. Under torch.compile dynamo traces this function and cannot carry that
+    thread-local state into the graph; the ops are tagged with ``fx.traceback.annotate``
+    instead, which dynamo records in each node's meta and AOTAutograd makes current while it
+    replays the node, when the compile-time policy (``CheckpointRegion._compiled_policy``) runs.
+    """
+    if torch.compiler.is_compiling():
+        if not _COMPILE_SEES_ANNOTATIONS:  # CheckpointRegion.compiled_contexts says why
+            return _call_target(target, args, kwargs)
+        with fx_traceback.annotate({_KEEP_ANNOTATION: region_id}):
+            return _call_target(target, args, kwargs)
+    _keep_begin(region_id)
+    try:
+        return _call_target(target, args, kwargs)
+    finally:
+        _keep_end()
+
+
+def _call_target(target: Any, args: tuple, kwargs: dict) -> Any:
+    if isinstance(target, str):
+        return getattr(args[0], target)(*args[1:], **kwargs)
+    return target(*args, **kwargs)
+
+
+def _kept_call(region_id: int, target: Any) -> Callable[..., Any]:
+    """The fx target of a kept node: ``target`` run through ``_run_kept`` (fx code cannot pass
+    a plain function as an argument, so the node calls this closure instead)."""
+
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        return _run_kept(region_id, target, *args, **kwargs)
+
+    kept.__name__ = f"kept_{target if isinstance(target, str) else getattr(target, '__name__', 'node')}"
+    return kept
+
+
+def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module(*args, **kwargs)
+
+
 def _batch_norm_once(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
     """``aten.batch_norm`` that updates running statistics in forward only, not when recomputed.
 
@@ -65,8 +121,12 @@ def _batch_norm_once(input, weight, bias, running_mean, running_var, training, m
     running buffers during recomputation leaves the result (and what autograd saves) unchanged.
     The copies are made in forward too: selective checkpointing replays recomputation against
     the ops it recorded in forward, so recomputation may not run an op forward did not.
+
+    Under torch.compile the plain op runs: AOTAutograd functionalizes the buffer update and
+    applies it once, after the compiled forward; recomputation in the backward graph repeats
+    only the functional op, whose updated statistics nothing reads.
     """
-    if training and running_mean is not None:
+    if training and running_mean is not None and not torch.compiler.is_compiling():
         scratch_mean, scratch_var = running_mean.clone(), running_var.clone()
         if _recomputing():
             running_mean, running_var = scratch_mean, scratch_var
@@ -76,16 +136,19 @@ def _batch_norm_once(input, weight, bias, running_mean, running_var, training, m
 
 
 def _mutate_once(op, target, *args, **kwargs):
-    """An in-place update of model state (``num_batches_tracked += 1``) skipped when recomputing."""
-    if _recomputing():
+    """An in-place update of model state (``num_batches_tracked += 1``) skipped when recomputing.
+
+    Under torch.compile the update is functionalized and applied once (see ``_batch_norm_once``).
+    """
+    if not torch.compiler.is_compiling() and _recomputing():
         return target
     return op(target, *args, **kwargs)
 
 
 def _batch_norm_module_once(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """A BatchNorm module call (symbolic traces) that does not update its buffers when recomputed
-    (see ``_batch_norm_once``)."""
-    if not module.training or module.running_mean is None:
+    (see ``_batch_norm_once``, also for torch.compile)."""
+    if not module.training or module.running_mean is None or torch.compiler.is_compiling():
         return module(input)
     scratch_mean, scratch_var = module.running_mean.clone(), module.running_var.clone()
     if not _recomputing():
@@ -117,6 +180,16 @@ class CheckpointRegion(nn.Module):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
+    def _compiled_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        """``_policy`` under torch.compile: AOTAutograd calls it for each ATen op while it replays
+        the region's subgraph node by node, with the node's meta as ``fx.traceback.current_meta``;
+        ``_run_kept`` tagged the kept nodes' meta. The policies it returns tag the joint graph's
+        nodes, and the partitioner saves or recomputes them accordingly."""
+        owner = fx_traceback.current_meta.get("custom", {}).get(_KEEP_ANNOTATION)
+        if owner == self.region_id and not getattr(op, "is_view", False):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """checkpoint's ``context_fn``: the selective policy (if the region keeps anything) and
         the recompute marker."""
@@ -126,6 +199,17 @@ class CheckpointRegion(nn.Module):
         # in place); keeps whose outputs later nodes modify are rejected when the plan is built.
         forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(self._policy, allow_cache_entry_mutation=True)
         return forward_ctx, _chain(recompute_ctx, _recompute_scope())
+
+    def compiled_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """checkpoint's ``context_fn`` under torch.compile, for a region with a keep-set: the
+        selective policy's two dispatch modes, as compile requires (nothing recomputes in Python
+        there, so no recompute marker)."""
+        if not _COMPILE_SEES_ANNOTATIONS:
+            raise CkptPlanError(
+                f"torch.compile of a plan with keep-sets needs torch 2.10 or later (this is {torch.__version__}); "
+                "upgrade torch, run the emitted module eagerly, or plan without keep-sets (solver dp or sqrt)."
+            )
+        return create_selective_checkpoint_contexts(self._compiled_policy, allow_cache_entry_mutation=True)
 
     def forward(self, *args: Any) -> Any:
         return _run_region(self, *args)
@@ -139,17 +223,29 @@ def _region_contexts(region: CheckpointRegion) -> tuple[contextlib.AbstractConte
     return region.contexts()
 
 
+def _compiled_region_contexts(region: CheckpointRegion) -> tuple[contextlib.AbstractContextManager, ...]:
+    return region.compiled_contexts()
+
+
 def _run_region(region: CheckpointRegion, *args: Any) -> Any:
     """Call ``region``'s body under checkpoint.
 
     The emitted graph calls this function rather than the region module, and checkpoint calls
     ``body.forward``, so global module hooks (``ModTracker``, ``MemTracker``) never see
     parameters passed as region arguments and cannot leave gradient hooks on them.
+
+    Under torch.compile (dynamo tracing this call), ``context_fn`` must give two dispatch
+    modes: a region without keeps uses checkpoint's default, which compile turns into "recompute
+    every op"; a region with keeps uses its policy's modes without the recompute marker.
     """
-    return checkpoint(
-        region.body.forward, *args, use_reentrant=False, context_fn=functools.partial(_region_contexts, region),
-        preserve_rng_state=True,
-    )
+    if not torch.compiler.is_compiling():
+        context_fn = functools.partial(_region_contexts, region)
+    elif region.keep:
+        context_fn = functools.partial(_compiled_region_contexts, region)
+    else:
+        # Left out rather than passed: dynamo sees a passed ``noop_context_fn`` as a custom one.
+        return checkpoint(region.body.forward, *args, use_reentrant=False, preserve_rng_state=True)
+    return checkpoint(region.body.forward, *args, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)
 
 
 @contextlib.contextmanager
@@ -228,7 +324,7 @@ def _share_state(module: CheckpointedModule, model: nn.Module, source: torch.fx.
             children[name] = getattr(source, name)
     clash = set(children) & set(wrappers)
     if clash:
-        raise PlanFormatError(f"The model has a submodule named {sorted(clash)[0]!r}, which ckptplan reserves.")
+        raise PlanFormatError(f"The model has a submodule named {min(clash)!r}, which ckptplan reserves.")
     children.update(wrappers)
     module.__dict__["_modules"] = children
     module.__dict__["_parameters"] = model._parameters
@@ -286,15 +382,13 @@ def _outline(
     keep = set(region.keep)
     body_modules: dict[str, Any] = {}
     for fx_node in members:
-        if fx_node.name in keep:
-            body.call_function(_keep_begin, (region_id,))
         copied = body.node_copy(fx_node, lambda n: env[n])
-        if fx_node.name in keep:
-            body.call_function(_keep_end, ())
         env[fx_node] = copied
         _guard_state_updates(body, copied, owner_modules, body_modules)
         if copied.op == "call_module" and copied.target not in body_modules:
             body_modules[copied.target] = owner_modules[copied.target]
+        if fx_node.name in keep:
+            _mark_kept(body, copied, region_id)
     body.output(tuple(env[n] for n in outputs))
 
     # Nested regions: outline the children inside the body.
@@ -526,6 +620,20 @@ def _guard_state_updates(
         copied.op = "call_function"
         copied.args = (module_node, *copied.args)
         copied.target = _batch_norm_module_once
+
+
+def _mark_kept(body: torch.fx.Graph, copied: torch.fx.Node, region_id: int) -> None:
+    """Make ``copied`` (a kept node) call its target through ``_run_kept``."""
+    target = copied.target
+    if copied.op == "call_module":
+        module_node = body.get_attr(copied.target)
+        copied.prepend(module_node)
+        copied.args = (module_node, *copied.args)
+        target = _call_module
+    elif copied.op != "call_method" and copied.op != "call_function":
+        return
+    copied.op = "call_function"
+    copied.target = _kept_call(region_id, target)
 
 
 def _mutates_first_arg(op: torch._ops.OpOverload) -> bool:
