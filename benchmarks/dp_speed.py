@@ -1,12 +1,16 @@
 """Solve time of the ``dp`` solver against chain length and memory resolution, with ``sqrt``
-run in the same process for comparison.
+and the memoised reference DP run in the same process for comparison.
 
     python benchmarks/dp_speed.py
 
 Chains are MLPs of Linear+ReLU pairs profiled on the meta device (batch 4096, width 1024), one
 stage per node, solved at a quarter of the way from the least peak ``dp`` reaches to the
-no-checkpoint peak. The last line solves a 1,000-node chain (500 pairs) the default way, where
-the chain is cut to ``stage_starts``'s default stage count.
+no-checkpoint peak. "memory units": resident memory to the no-checkpoint peak in that many
+units. "one budget" fills the DP's tables up to that budget (what ``solve_dp`` does);
+"every budget" fills them up to the no-checkpoint peak, which answers every budget at once.
+The reference (``ChainDP``, memoised per budget) runs up to 60 stages. The last line solves a
+1,000-node chain (500 pairs) the default way, where the chain is cut to ``stage_starts``'s
+default stage count.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.solvers.chain import build_chain, stage_starts
 from ckptplan.solvers.dp import solve_chain, solve_dp
+from ckptplan.solvers.dp_curve import cost_curve
 from ckptplan.solvers.sqrt import solve_sqrt
+
+REFERENCE_MAX_STAGES = 60
 
 
 def mlp_graph(nodes: int) -> ckptplan.ComputeGraph:
@@ -32,14 +39,6 @@ def mlp_graph(nodes: int) -> ckptplan.ComputeGraph:
         model = nn.Sequential(*layers)
         x = torch.randn(4096, 1024)
     return ckptplan.profile(model, (x,), trace="symbolic")
-
-
-def tight_budget(graph: ckptplan.ComputeGraph) -> int:
-    try:
-        solve_dp(graph, 1)
-    except InfeasibleBudgetError as error:
-        least = error.min_peak_bytes
-    return least + (graph.baseline_peak_bytes - least) // 4
 
 
 def timed(fn, *args, **kwargs):
@@ -53,24 +52,46 @@ def timed(fn, *args, **kwargs):
 
 def main() -> None:
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}\n")
-    print("| stages | memory units | dp seconds | dp overhead | sqrt seconds | sqrt overhead |")
-    print("|---|---|---|---|---|---|")
+    print("| stages | memory units | dp s, one budget | dp s, every budget | reference DP s | dp overhead "
+          "| sqrt s | sqrt overhead |")
+    print("|---|---|---|---|---|---|---|---|")
     for nodes in (10, 20, 40, 60, 100):
         graph = mlp_graph(nodes)
-        budget = tight_budget(graph)
         chain = build_chain(graph, stage_starts(graph, max_stages=nodes))
-        sqrt_plan, sqrt_seconds = timed(solve_sqrt, graph, budget)
-        for units in (100, 500):
-            (cost, _), dp_seconds = timed(solve_chain, chain, budget, max(1, budget // units))
-            step = graph.step_cost
+        span = graph.baseline_peak_bytes - chain.resident_bytes
+        for units in (500, 1000):
+            unit = -(-span // units)
+            curve, every_seconds = timed(cost_curve, chain, graph.baseline_peak_bytes, unit)
+            least = curve.least_units()
+            budget = chain.resident_bytes + (least + (units - least) // 4) * unit
+            one, one_seconds = timed(cost_curve, chain, budget, unit)
+            assert one.cost(budget) == curve.cost(budget)
+            reference = "—"
+            if nodes <= REFERENCE_MAX_STAGES:
+                (cost, _), seconds = timed(solve_chain, chain, budget, unit)
+                assert cost == curve.cost(budget)
+                reference = f"{seconds:.2f}"
+            sqrt_plan, sqrt_seconds = timed(solve_sqrt, graph, budget)
             sqrt_overhead = f"{sqrt_plan.prediction.overhead:.3f}" if sqrt_plan else "infeasible"
-            print(f"| {len(chain)} | {units} | {dp_seconds:.2f} | {cost / step:.3f} | {sqrt_seconds:.2f} | {sqrt_overhead} |")
+            overhead = simulate_overhead(graph, one.regions(budget))
+            print(f"| {len(chain)} | {units} | {one_seconds:.2f} | {every_seconds:.2f} | {reference} "
+                  f"| {overhead:.3f} | {sqrt_seconds:.2f} | {sqrt_overhead} |")
     graph = mlp_graph(1000)
-    budget = tight_budget(graph)
+    least = None
+    try:
+        solve_dp(graph, 1)
+    except InfeasibleBudgetError as error:
+        least = error.min_peak_bytes
+    budget = least + (graph.baseline_peak_bytes - least) // 4
     plan, seconds = timed(solve_dp, graph, budget)
     sqrt_plan, sqrt_seconds = timed(solve_sqrt, graph, budget)
+    sqrt_text = f"overhead {sqrt_plan.prediction.overhead:.3f}" if sqrt_plan else "infeasible"
     print(f"\n1,000-node chain, default staging: dp {seconds:.1f} s ({plan.solver.note}), overhead "
-          f"{plan.prediction.overhead:.3f}; sqrt {sqrt_seconds:.1f} s, overhead {sqrt_plan.prediction.overhead:.3f}")
+          f"{plan.prediction.overhead:.3f}; sqrt {sqrt_seconds:.1f} s, {sqrt_text}")
+
+
+def simulate_overhead(graph: ckptplan.ComputeGraph, regions) -> float:
+    return ckptplan.make_plan(graph, list(regions)).prediction.overhead
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """Cut a ``ComputeGraph`` into a chain of stages, the form optimal checkpointing DPs work on.
 
-A *cut* between node k-1 and node k is *clean* when (nearly) every activation live across it
-was made after the previous cut: then each stage reads only what the stage before it made, and
-the graph is a chain of stages. A pure chain keeps one stage per node (up to ``max_stages``,
-beyond which the cuts with the fewest live bytes are kept). Skip connections — a residual
-stream, U-Net concatenations — make the cuts they span unclean, so the nodes between their
-ends merge into one stage: the DP can only place regions at stage starts and cannot recompute
-part of a stage while storing the rest. That is what is lost when a graph is not a chain.
-Small tensors read far away (an attention mask shared by every layer) do not block a cut:
-they and their gradients count as resident for the whole step, which overstates memory but
-never understates it.
+A pure chain keeps one stage per node (up to ``max_stages``). On a graph with skip connections
+— a residual stream, U-Net concatenations, an attention mask shared by every layer — a tensor
+may be read more than one stage after the one that made it: a *skip*. The chain does not carry
+skips from stage to stage; it charges them per stage instead, with bounds that hold for every
+plan (see ``build_chain``): a skip made in stage p is counted from p's forward to the end of
+backward's pass through p, twice in backward (the tensor or its recomputed copy, and its
+gradient). That is what is lost when a graph is not a chain: memory a plan could free (a skip
+dropped after its last forward reader, before backward) is still counted, so the DP may miss
+plans that fit; it never accepts one that does not. Where the cuts go is a trade-off: a cut
+that a skip spans turns that skip into a conservative charge, a missing cut forbids a region
+edge there; ``stage_starts`` takes *clean* cuts (few skips across) and ``solve_dp`` tries a
+second, finer chain.
 
 Per stage k (nodes ``[starts[k], starts[k+1])``) the chain records, in bytes:
 
@@ -24,6 +26,9 @@ Per stage k (nodes ``[starts[k], starts[k+1])``) the chain records, in bytes:
   gradient it receives (input gradient, first parameter gradients, temporaries).
 * ``param_grad_bytes[k]``: parameter gradients first allocated by its backward.
 * ``cost[k]``: seconds to run it forward again (the graph's roofline cost); ``flops[k]``.
+* ``skip_fwd_bytes[k]``: skips made in stages ``≤ k``, each once: held during stage k's forward.
+* ``skip_bwd_bytes[k]``: the same skips with their gradients (tensor or recomputed copy, and gradient):
+  held during stage k's backward and during the recomputation of any region ending at stage k.
 """
 
 from __future__ import annotations
@@ -47,9 +52,10 @@ class Chain:
     param_grad_bytes: tuple[int, ...]
     cost: tuple[float, ...]
     flops: tuple[int, ...]
+    skip_fwd_bytes: tuple[int, ...]
+    skip_bwd_bytes: tuple[int, ...]
     resident_bytes: int
     node_count: int
-    skip_bytes: int = 0
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -66,11 +72,11 @@ class Chain:
 SKIP_SHARE = 1 / 16
 
 
-def stage_starts(graph: ComputeGraph, max_stages: int = 32) -> list[int]:
+def stage_starts(graph: ComputeGraph, max_stages: int = 32, skip_share: float = SKIP_SHARE) -> list[int]:
     """Stage starts: 0 and the *clean* region boundaries, at most ``max_stages`` stages.
 
     A boundary k is clean when the activations live across it that were made before the
-    previous stage start are at most ``SKIP_SHARE`` of all live across it; such cuts are taken
+    previous stage start are at most ``skip_share`` of all live across it; such cuts are taken
     greedily left to right. If there are too many, those with the fewest bytes live across them
     are kept."""
     n = len(graph.nodes)
@@ -88,7 +94,7 @@ def stage_starts(graph: ComputeGraph, max_stages: int = 32) -> list[int]:
             continue
         previous = cuts[-1] if cuts else 0
         skipped = sum(graph.storages[s].nbytes for s in across[k] if graph.storages[s].producer < previous)
-        if skipped <= SKIP_SHARE * crossing[k]:
+        if skipped <= skip_share * crossing[k]:
             cuts.append(k)
     if len(cuts) > max_stages - 1:
         cuts = sorted(sorted(cuts, key=lambda k: (crossing[k], k))[: max_stages - 1])
@@ -114,9 +120,13 @@ def _last_reads(graph: ComputeGraph) -> dict[int, int]:
 def build_chain(graph: ComputeGraph, starts: list[int] | None = None) -> Chain:
     """The stage chain of ``graph`` (at ``starts``, default ``stage_starts(graph)``).
 
-    An activation read more than one stage after the one that made it (a skip connection, a
-    shared attention mask) breaks the chain; it and its gradient are counted as resident for
-    the whole step instead, which overstates memory but never understates it."""
+    An activation read more than one stage after the one that made it (a skip) is not carried
+    from stage to stage. Whatever the plan, a skip ``s`` made in stage p is dead before p's
+    forward and after backward leaves p; in between, at most two copies of its bytes are live:
+    the tensor (kept by a saver or a region that reads it, or recomputed by a region that
+    makes it) and, from its last reader's backward on, its gradient. ``skip_fwd_bytes`` and
+    ``skip_bwd_bytes`` charge that bound to every stage from p on, once in forward and twice
+    in backward: it overstates memory, never understates it."""
     n = len(graph.nodes)
     starts = stage_starts(graph) if starts is None else starts
     ends = starts[1:] + [n]
@@ -128,9 +138,19 @@ def build_chain(graph: ComputeGraph, starts: list[int] | None = None) -> Chain:
     last_read = _last_reads(graph)
     skips = {s for s, last in last_read.items() if stage_of[last] > stage_of[graph.storages[s].producer] + 1
              and not (last == n and stage_of[graph.storages[s].producer] == len(starts) - 1)}
-    skip_bytes = _bytes(graph, skips)
-    skip_grad_bytes = sum(graph.nodes[graph.storages[s].producer].output_bytes for s in skips
-                          if graph.storages[s].kind == "activation")
+    skip_made = [0] * len(starts)  # skip_made[k]: bytes of the skips made in stage k
+    skip_grads = [0] * len(starts)  # ... and of their gradients
+    for s in sorted(skips):
+        producer = graph.nodes[graph.storages[s].producer]
+        skip_made[stage_of[producer.index]] += graph.storages[s].nbytes
+        if graph.storages[s].kind == "activation" and producer.requires_grad:
+            skip_grads[stage_of[producer.index]] += producer.output_bytes
+    skip_fwd, skip_bwd, made, grads = [], [], 0, 0
+    for k in range(len(starts)):
+        made += skip_made[k]
+        grads += skip_grads[k]
+        skip_fwd.append(made)
+        skip_bwd.append(made + grads)
     crossing = [set() for _ in range(len(starts) + 1)]  # crossing[k]: storages live across stage k's start
     for s, last in last_read.items():
         if s in skips:
@@ -171,8 +191,9 @@ def build_chain(graph: ComputeGraph, starts: list[int] | None = None) -> Chain:
         fields["flops"].append(sum(graph.nodes[i].fwd_flops for i in range(start, end)))
     return Chain(
         starts=tuple(starts),
-        resident_bytes=graph.static.resident_bytes + skip_bytes + skip_grad_bytes,
-        skip_bytes=skip_bytes + skip_grad_bytes,
+        skip_fwd_bytes=tuple(skip_fwd),
+        skip_bwd_bytes=tuple(skip_bwd),
+        resident_bytes=graph.static.resident_bytes,
         node_count=n,
         **{name: tuple(values) for name, values in fields.items()},
     )

@@ -30,8 +30,10 @@ input held and the gradient of its output present, backward with its input held 
 top-level region (``frame.save_inputs``) or only if its parent holds it (nested: the input came
 from the parent's recompute and dies with this one's).
 
-Solve time is O(L² · L · U) in the worst case for L stages and U memory units, memoised on the
-states actually reached.
+``ChainDP`` fills these tables for one budget, memoised on the states reached: the slow,
+obvious reference. ``solve_dp`` runs ``solvers.dp_curve``, the same recurrence vectorised over
+held memory, which answers every budget in one pass of O(L³) array operations of length U
+(L stages, U memory units); the two are tested against each other on random chains.
 """
 
 from __future__ import annotations
@@ -40,70 +42,37 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 
 from ckptplan.build import solver_plan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
-from ckptplan.simulation import simulate
-from ckptplan.solvers.chain import Chain, build_chain
+from ckptplan.simulation import Report, simulate
+from ckptplan.solvers.chain import SKIP_SHARE, Chain, build_chain, stage_starts
+from ckptplan.solvers.dp_curve import CostCurve, StageUnits, cost_curve
 from ckptplan.solvers.registry import register
 from ckptplan.units import describe_bytes
 
 log = logging.getLogger(__name__)
 
 INF = math.inf
-DEFAULT_MEM_UNITS = 500  # memory resolution for long chains: the budget is split into this many units
-LEAST_PEAK_STEPS = 12  # bisection steps when reporting the least reachable peak
-EXACT_STAGE_LIMIT = 24  # chains up to this many stages are solved in exact bytes (fast enough, no rounding)
+DEFAULT_MEM_UNITS = 1000  # memory resolution: resident memory to the no-checkpoint peak in this many units
+MAX_MEM_UNITS = 16384  # the finest resolution a caller's ``mem_unit`` may ask for
 
 
-class ChainDP:
-    """The DP over one chain at one budget. ``solve()`` returns (cost, top-level item choices)."""
+class ChainDP(StageUnits):
+    """The DP over one chain at one budget, memoised on exact held memory: the slow, obvious
+    reference that ``solvers.dp_curve`` (what ``solve_dp`` runs) is tested against.
+    ``solve()`` returns (cost, top-level item choices)."""
 
     def __init__(self, chain: Chain, budget_bytes: int, mem_unit: int) -> None:
-        self.chain = chain
-        self.unit = mem_unit
+        super().__init__(chain, mem_unit)
         # Resident bytes are held at every step, so they come off the budget exactly (in bytes)
         # and the units resolve only what plans change: on a model whose optimizer state dwarfs
         # its activations, units of the whole budget would round away the differences.
         self.budget = (budget_bytes - chain.resident_bytes) // mem_unit
-        up = self._units
-        L = len(chain)
-        self.L = L
-        self.X = [up(b) for b in chain.out_bytes]
-        self.H = [up(b) for b in chain.hidden_bytes]
-        self.si = chain.saves_input
-        self.so = chain.saves_output
-        self.f_all = [up(b) for b in chain.fwd_all_bytes]
-        self.f_none = [up(b) for b in chain.fwd_none_bytes]
-        self.f_stop = [up(b) for b in chain.fwd_stop_bytes]
-        self.b_extra = [up(b) for b in chain.bwd_extra_bytes]
-        self.cost = chain.cost
-        # params_after[k]: parameter gradients already allocated when stage k's backward starts
-        self.params_after = [0] * (L + 1)
-        for k in reversed(range(L)):
-            self.params_after[k] = self.params_after[k + 1] + up(chain.param_grad_bytes[k])
-        self.prefix_cost = [0.0]
-        for c in chain.cost:
-            self.prefix_cost.append(self.prefix_cost[-1] + c)
         self._memo: dict[tuple, tuple[float, tuple]] = {}
-
-    def _units(self, n_bytes: int) -> int:
-        return -(-int(n_bytes) // self.unit)
-
-    def _in(self, k: int) -> int:
-        """Units of stage k's input (the graph input, before stage 0, is resident)."""
-        return self.X[k - 1] if k > 0 else 0
-
-    def _grad_in(self, k: int) -> int:
-        """Units of the gradient stage k receives (the loss's is a scalar seed)."""
-        return self.X[k] if k < self.L - 1 else 0
-
-    def _ctx(self, b: int, region: bool) -> int:
-        """Held by gradients while a frame ending at b runs forward: the gradient of its output
-        and every parameter gradient after it (none during the original forward)."""
-        return self._grad_in(b) + self.params_after[b + 1] if region else 0
 
     def suffix(
         self, k: int, b: int, region: bool, ms: int, mb: int, ihs: bool, ihb: bool, first: bool = False
@@ -124,13 +93,17 @@ class ChainDP:
         best: tuple[float, tuple] = (INF, ())
         ctx = self._ctx(b, region)
         budget = self.budget
+        # Skips live while this frame runs forward: a recomputation runs during backward, where
+        # everything made up to the frame's end may be live with its gradient (solvers.chain).
+        skips = self.skip_bwd[b] if region else 0
+        skip_fwd = self.skip_fwd if not region else None
         # Option 1: stage k runs directly and keeps what it saves until its backward.
         alloc = self.f_stop[k] if region and k == b else self.f_all[k]
         held_in_s = self._in(k) if not ihs else 0
-        sweep = ms + ctx + held_in_s + alloc
+        sweep = ms + ctx + held_in_s + alloc + (skip_fwd[k] if skip_fwd else skips)
         hs = self.H[k] + (self.X[k] if self.so[k] else 0) + (held_in_s if self.si[k] else 0)
         hb = self.H[k] + (self.X[k] if self.so[k] else 0) + (self._in(k) if self.si[k] and not ihb else 0)
-        backward = mb + hb + self._grad_in(k) + self.params_after[k + 1] + self.b_extra[k]
+        backward = mb + hb + self._grad_in(k) + self.params_after[k + 1] + self.b_extra[k] + self.skip_bwd[k]
         if sweep <= budget and backward <= budget:
             rest, plan = self.suffix(k + 1, b, region, ms + hs, mb + hb, self.so[k], self.so[k])
             total = (self.cost[k] if region else 0.0) + rest
@@ -144,12 +117,13 @@ class ChainDP:
         last_run = b - 1 if region else b
         peak_none = 0
         for d in range(k, last_run + 1):
-            peak_none = max(peak_none, (self.X[d - 1] if d > k else 0) + self.f_none[d])
+            peak_none = max(peak_none, (self.X[d - 1] if d > k else 0) + self.f_none[d]
+                            + (skip_fwd[d] if skip_fwd else skips))
             if ms + ctx + rin_s + peak_none > budget:
                 break  # a longer child's forward only needs more
             sweep_cost = self.prefix_cost[d + 1] - self.prefix_cost[k] if region else 0.0
             best = self._with_child(best, k, d, b, region, ms, mb, rin_s, rin_b, ihb, sweep_cost)
-        if region and not first and ms + ctx + rin_s <= budget:
+        if region and not first and ms + ctx + rin_s + skips <= budget:
             best = self._with_child(best, k, b, b, region, ms, mb, rin_s, rin_b, ihb, 0.0)
         return best
 
@@ -203,6 +177,47 @@ def solve_chain(chain: Chain, budget_bytes: int, mem_unit: int) -> tuple[float, 
     return cost, regions_from_items(chain, items) if cost < INF else ()
 
 
+@dataclass(frozen=True)
+class _Found:
+    """A plan the DP found on one chain, confirmed by ``simulate``."""
+
+    regions: tuple[Region, ...]
+    report: Report
+    curve: CostCurve
+    repaired: int = 0
+    least_search: bool = False
+
+
+# Stage chains tried on graphs with skips (``chain.stage_starts``'s ``skip_share``): clean cuts
+# only, cuts leaving a quarter of the crossing bytes as skips, any cut. A finer chain allows more
+# region edges but charges more skips conservatively; neither contains the other's plans.
+CHAIN_SKIP_SHARES = (SKIP_SHARE, 1 / 4, 1.0)
+MAX_REPAIRS = 4  # re-solves below the budget when a merged-stage plan overshoots under simulate
+
+
+def candidate_chains(graph: ComputeGraph) -> list[Chain]:
+    """The distinct stage chains of ``CHAIN_SKIP_SHARES``, clean cuts first (one on a pure chain)."""
+    chains: dict[tuple[int, ...], Chain] = {}
+    for share in CHAIN_SKIP_SHARES:
+        starts = stage_starts(graph, skip_share=share)
+        if tuple(starts) not in chains:
+            chains[tuple(starts)] = build_chain(graph, starts)
+    return list(chains.values())
+
+
+def chain_curve(
+    graph: ComputeGraph, chain: Chain, mem_unit: int | None = None, top_bytes: int | None = None
+) -> CostCurve:
+    """``chain``'s cost at every budget up to ``top_bytes`` (default: the no-checkpoint peak), at
+    ``mem_unit`` (default: resident memory to the no-checkpoint peak over ``DEFAULT_MEM_UNITS``,
+    rounded up; never finer than ``MAX_MEM_UNITS`` units over that range, since the tables hold
+    one entry per unit). The unit does not depend on ``top_bytes``, so a shorter curve is a
+    prefix of the longer one."""
+    span = max(1, graph.baseline_peak_bytes - chain.resident_bytes)
+    unit = max(mem_unit or -(-span // DEFAULT_MEM_UNITS), -(-span // MAX_MEM_UNITS), 1)
+    return cost_curve(chain, min(top_bytes or graph.baseline_peak_bytes, graph.baseline_peak_bytes), unit)
+
+
 @register("dp")
 def solve_dp(
     graph: ComputeGraph,
@@ -213,20 +228,26 @@ def solve_dp(
 ) -> Plan:
     """Optimal nested checkpoint regions for ``graph``'s stage chain within ``budget_bytes``.
 
-    ``mem_unit``: bytes per DP memory unit. Default: exact bytes for chains of up to
-    ``EXACT_STAGE_LIMIT`` stages, else the budget above resident memory over
-    ``DEFAULT_MEM_UNITS``, rounded up. Every
+    ``mem_unit``: bytes per DP memory unit. Default: the range from resident memory to the
+    no-checkpoint peak over ``DEFAULT_MEM_UNITS`` (exact bytes when the range is smaller); at
+    most ``MAX_MEM_UNITS`` units over that range, whatever is asked. Every
     quantity is rounded up to units, so coarser units solve faster but may miss plans that fit
-    within one unit per held item of the budget; the plan is optimal at its unit.
+    within one unit per held item of the budget; the plan is optimal at its unit. One pass of
+    the DP answers every budget (``solvers.dp_curve``).
 
-    On a chain of one-node stages the DP's memory model is the simulator's, so the plan is
-    optimal. Merged stages are modelled conservatively in most respects, but not all (a merged
-    stage's internal gradient accumulation, for one); every plan is checked with ``simulate``,
-    and if one overshoots, the DP is rerun with the budget lowered by the overshoot and the plan
-    is reported as ``feasible`` rather than ``optimal``.
+    On a graph with skips, each of ``candidate_chains`` is solved and the cheapest plan wins
+    (``time_limit`` stops trying further chains once one has a plan). On a chain of one-node
+    stages the DP's memory model is the simulator's, so the plan is optimal. Merged stages are
+    modelled conservatively in most respects, but not all (a merged stage's internal gradient
+    accumulation, for one); every plan is checked with ``simulate``, and if one overshoots, the
+    plan at the budget lowered by the overshoot is taken instead and reported as ``feasible``
+    rather than ``optimal``.
+
+    When no chain has a plan at the budget, the plan at each chain's least budget is simulated;
+    one that fits is returned (``feasible``), otherwise ``InfeasibleBudgetError`` names the least
+    simulated peak among them, a budget at which this solver does return a plan.
     """
     started = time.perf_counter()
-    chain = build_chain(graph)
     if budget_bytes >= graph.baseline_peak_bytes:  # storing everything is free and fits
         return solver_plan(
             graph,
@@ -235,75 +256,76 @@ def solve_dp(
             SolverInfo(name="dp", status="optimal", seconds=time.perf_counter() - started, gap=0.0,
                               note="the budget holds the step without checkpointing"),
         )
-    target, repaired = budget_bytes, 0
-    while True:
-        cost, regions, unit = _solve_refining(chain, target, mem_unit, started, time_limit)
-        if cost == INF:
-            least = _least_peak(graph, chain, unit)
+    chains = candidate_chains(graph)
+    curves: list[CostCurve] = []
+    best: _Found | None = None
+    for chain in chains:
+        if best is not None and time_limit is not None and time.perf_counter() - started > time_limit:
+            break
+        curves.append(chain_curve(graph, chain, mem_unit, top_bytes=budget_bytes))
+        found = _checked(graph, curves[-1], budget_bytes)
+        if found is not None and (best is None or found.report.recompute_seconds < best.report.recompute_seconds):
+            best = found
+    if best is None:
+        whole = [chain_curve(graph, curve.chain, mem_unit) for curve in curves]  # up to the no-checkpoint peak
+        least = [found for curve in whole if (found := _least(graph, curve)) is not None]
+        fitting = [found for found in least if found.report.peak_bytes <= budget_bytes]
+        if not fitting:
+            least_bytes = min((found.report.peak_bytes for found in least), default=graph.baseline_peak_bytes)
             raise InfeasibleBudgetError(
                 f"Budget {describe_bytes(budget_bytes)} is below the least peak the dp solver reaches, "
-                f"{describe_bytes(least)}; raise the budget.",
+                f"{describe_bytes(least_bytes)}; raise the budget.",
                 budget_bytes=budget_bytes,
-                min_peak_bytes=max(least, budget_bytes + 1),
+                min_peak_bytes=least_bytes,
             )
-        report = simulate(graph, regions)
-        overshoot = report.peak_bytes - budget_bytes
-        if overshoot <= 0:
-            break
-        repaired += 1
-        log.info("dp plan overshoots by %d bytes on merged stages; re-solving with a lower budget", overshoot)
-        target -= overshoot + unit
-    note = f"{len(chain)} stages over {len(graph.nodes)} nodes, memory unit {unit} byte(s)"
+        best = min(fitting, key=lambda found: found.report.recompute_seconds)
+    chain = best.curve.chain
+    note = f"{len(chain)} stages over {len(graph.nodes)} nodes, memory unit {best.curve.unit} byte(s)"
     if len(chain) < len(graph.nodes):
         note += "; nodes merged into stages (skip connections or the stage limit): optimal for that stage chain"
-    if repaired:
-        note += f"; re-solved {repaired} time(s) below the budget where merged stages were underestimated"
+    if len(chains) > 1:
+        note += f"; best of {len(curves)} stage chains"
+    if best.repaired:
+        note += f"; re-solved {best.repaired} time(s) below the budget where merged stages were underestimated"
+    if best.least_search:
+        note += "; the stage chain's least-peak plan (the budget is at the edge of what it reaches)"
+    exact = not best.repaired and not best.least_search
     return solver_plan(
         graph,
-        regions,
+        best.regions,
         budget_bytes,
         SolverInfo(
             name="dp",
-            status="feasible" if repaired else "optimal",
+            status="optimal" if exact else "feasible",
             seconds=time.perf_counter() - started,
-            gap=None if repaired else 0.0,
+            gap=0.0 if exact else None,
             note=note,
         ),
-        report=report,
+        report=best.report,
     )
 
 
-def _solve_refining(
-    chain: Chain, budget_bytes: int, mem_unit: int | None, started: float, time_limit: float | None
-) -> tuple[float, tuple[Region, ...], int]:
-    """Solve at ``mem_unit`` (default: the budget above resident memory over ``DEFAULT_MEM_UNITS``); when that finds
-    nothing, rounding may be what excludes the plans near the budget, so refine the unit
-    eightfold down to exact bytes while time allows."""
-    if mem_unit is not None:
-        unit = mem_unit
-    elif len(chain) <= EXACT_STAGE_LIMIT:
-        unit = 1
-    else:
-        unit = max(1, -(-(budget_bytes - chain.resident_bytes) // DEFAULT_MEM_UNITS))
-    while True:
-        cost, regions = solve_chain(chain, budget_bytes, unit)
-        out_of_time = time_limit is not None and time.perf_counter() - started > time_limit
-        if cost < INF or unit == 1 or mem_unit is not None or out_of_time:
-            return cost, regions, unit
-        unit = max(1, unit // 8)
+def _checked(graph: ComputeGraph, curve: CostCurve, budget_bytes: int) -> _Found | None:
+    """The curve's plan at the budget, or (at most ``MAX_REPAIRS`` times) at the budget lowered
+    by what ``simulate`` says the last one overshot, until one fits."""
+    target = budget_bytes
+    for repaired in range(MAX_REPAIRS + 1):
+        if curve.cost(target) == INF:
+            return None
+        regions = curve.regions(target)
+        report = simulate(graph, regions)
+        overshoot = report.peak_bytes - budget_bytes
+        if overshoot <= 0:
+            return _Found(regions, report, curve, repaired)
+        log.info("dp plan overshoots by %d bytes on merged stages; taking the plan at a lower budget", overshoot)
+        target -= overshoot + curve.unit
+    return None
 
 
-def _least_peak(graph: ComputeGraph, chain: Chain, unit: int) -> int:
-    """Smallest budget at which the DP finds a plan, by bisection to one unit or 1/2^LEAST_PEAK_STEPS
-    of the range, whichever is coarser (exact on short chains, where units are bytes)."""
-    lo, hi = graph.static.resident_bytes, max(graph.baseline_peak_bytes, graph.static.resident_bytes + unit)
-    if solve_chain(chain, hi, unit)[0] == INF:
-        return hi
-    precision = max(unit, (hi - lo) >> LEAST_PEAK_STEPS)
-    while hi - lo > precision:
-        mid = (lo + hi) // 2
-        if solve_chain(chain, mid, unit)[0] < INF:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+def _least(graph: ComputeGraph, curve: CostCurve) -> _Found | None:
+    """The plan at the least budget the curve accepts, with its simulated peak."""
+    units = curve.least_units()
+    if units is None:
+        return None
+    regions = curve.regions(curve.chain.resident_bytes + units * curve.unit)
+    return _Found(regions, simulate(graph, regions), curve, least_search=True)

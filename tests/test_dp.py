@@ -15,8 +15,9 @@ import ckptplan
 from ckptplan import Region
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.simulation import simulate
-from ckptplan.solvers.chain import build_chain
+from ckptplan.solvers.chain import build_chain, stage_starts
 from ckptplan.solvers.dp import INF, solve_chain, solve_dp
+from ckptplan.solvers.dp_curve import cost_curve
 from ckptplan.solvers.sqrt import solve_sqrt
 from tests import models
 from tests.conftest import assert_same_gradients, load_example
@@ -60,6 +61,48 @@ def test_dp_matches_exhaustive_nested_search(sizes: list[int], saves_output: boo
         assert cost == best, f"budget {budget}"
         report = simulate(graph, regions)
         assert report.peak_bytes <= budget and report.recompute_seconds == cost
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([16, 32, 48, 64, 100, 128, 256]), min_size=1, max_size=9),
+    saves_output=st.booleans(),
+    param_bytes=st.sampled_from([8, 64]),
+    mem_unit=st.sampled_from([1, 8, 24]),
+)
+def test_cost_curve_matches_the_reference_dp_at_every_budget(
+    sizes: list[int], saves_output: bool, param_bytes: int, mem_unit: int
+) -> None:
+    """The vectorised DP (one pass, every budget) against the memoised reference, one budget
+    at a time: equal costs and the same plans."""
+    graph = chain_graph(sizes, saves_output=saves_output, param_bytes=param_bytes)
+    chain = build_chain(graph)
+    top = graph.baseline_peak_bytes + 2 * mem_unit
+    curve = cost_curve(chain, top, mem_unit)
+    for budget in range(graph.static.resident_bytes - mem_unit, top + 1, max(1, mem_unit // 2)):
+        cost, regions = solve_chain(chain, budget, mem_unit)
+        assert curve.cost(budget) == cost, f"budget {budget}"
+        if cost < INF:
+            assert curve.regions(budget) == regions
+
+
+def test_cost_curve_matches_the_reference_dp_on_a_graph_with_skips() -> None:
+    """The U-Net's finest stage chain: nested regions, skips and merged stages exercise every
+    state the reference memoises."""
+    model, args = load_example("unet").build(batch=1, size=32)
+    graph = ckptplan.profile(model, args)
+    chain = build_chain(graph, stage_starts(graph, max_stages=12, skip_share=1.0))
+    span = graph.baseline_peak_bytes - graph.static.resident_bytes
+    unit = -(-span // 200)
+    curve = cost_curve(chain, graph.baseline_peak_bytes, unit)
+    least = curve.least_units()
+    assert least is not None
+    for units in range(least - 1, 201, 7):
+        budget = graph.static.resident_bytes + units * unit
+        cost, regions = solve_chain(chain, budget, unit)
+        assert curve.cost(budget) == cost
+        if cost < INF:
+            assert curve.regions(budget) == regions
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -123,10 +166,11 @@ def test_coarse_memory_units_stay_within_budget() -> None:
     model, args = load_example("gpt").build(batch=4, seq=64)
     graph = ckptplan.profile(model, args)
     budget = int(0.6 * graph.baseline_peak_bytes)
-    coarse = solve_dp(graph, budget, mem_unit=budget // 50)
-    exact = solve_dp(graph, budget, mem_unit=1)
-    assert coarse.prediction.peak_bytes <= budget and exact.prediction.peak_bytes <= budget
-    assert exact.prediction.recompute_seconds <= coarse.prediction.recompute_seconds
+    fine_unit = 1024
+    coarse = solve_dp(graph, budget, mem_unit=64 * fine_unit)
+    fine = solve_dp(graph, budget, mem_unit=fine_unit)
+    assert coarse.prediction.peak_bytes <= budget and fine.prediction.peak_bytes <= budget
+    assert fine.prediction.recompute_seconds <= coarse.prediction.recompute_seconds
     cost, _ = solve_chain(build_chain(graph), graph.static.resident_bytes, mem_unit=1)
     assert cost == INF
 
