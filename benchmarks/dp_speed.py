@@ -6,8 +6,8 @@ and the memoised reference DP run in the same process for comparison.
 Chains are MLPs of Linear+ReLU pairs profiled on the meta device (batch 4096, width 1024), one
 stage per node, solved at a quarter of the way from the least peak ``dp`` reaches to the
 no-checkpoint peak. "memory units": resident memory to the no-checkpoint peak in that many
-units. "one budget" fills the DP's tables up to that budget (what ``solve_dp`` does);
-"every budget" fills them up to the no-checkpoint peak, which answers every budget at once.
+units. "one budget" fills the DP's tables up to that budget; "every budget" fills them up to
+the no-checkpoint peak, which answers every budget at once (what ``solve_dp`` does).
 The reference (``ChainDP``, memoised per budget) runs up to 60 stages. The last line solves a
 1,000-node chain (500 pairs) the default way, where the chain is cut to ``stage_starts``'s
 default stage count.

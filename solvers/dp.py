@@ -52,6 +52,7 @@ from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.chain import SKIP_SHARE, Chain, build_chain, stage_starts
 from ckptplan.solvers.dp_curve import CostCurve, StageUnits, cost_curve
 from ckptplan.solvers.registry import register
+from ckptplan.solvers.sqrt import solve_sqrt
 from ckptplan.units import describe_bytes
 
 log = logging.getLogger(__name__)
@@ -196,26 +197,42 @@ MAX_REPAIRS = 4  # re-solves below the budget when a merged-stage plan overshoot
 
 
 def candidate_chains(graph: ComputeGraph) -> list[Chain]:
-    """The distinct stage chains of ``CHAIN_SKIP_SHARES``, clean cuts first (one on a pure chain)."""
+    """The distinct stage chains of ``CHAIN_SKIP_SHARES``, clean cuts first (one on a pure
+    chain), then, on a graph with skips, the chain cut where the segments of ``sqrt``'s
+    least-peak plan start and end: Chen's greedy places its cuts by the bytes that cross them,
+    which the fixed shares above cannot. None depends on the budget, so the best of them costs
+    no less at a lower budget."""
     chains: dict[tuple[int, ...], Chain] = {}
     for share in CHAIN_SKIP_SHARES:
         starts = stage_starts(graph, skip_share=share)
         if tuple(starts) not in chains:
             chains[tuple(starts)] = build_chain(graph, starts)
+    if len(chains) > 1:
+        starts = _segment_cuts(graph)
+        if starts and tuple(starts) not in chains:
+            chains[tuple(starts)] = build_chain(graph, starts)
     return list(chains.values())
 
 
-def chain_curve(
-    graph: ComputeGraph, chain: Chain, mem_unit: int | None = None, top_bytes: int | None = None
-) -> CostCurve:
-    """``chain``'s cost at every budget up to ``top_bytes`` (default: the no-checkpoint peak), at
-    ``mem_unit`` (default: resident memory to the no-checkpoint peak over ``DEFAULT_MEM_UNITS``,
-    rounded up; never finer than ``MAX_MEM_UNITS`` units over that range, since the tables hold
-    one entry per unit). The unit does not depend on ``top_bytes``, so a shorter curve is a
-    prefix of the longer one."""
+def _segment_cuts(graph: ComputeGraph) -> list[int]:
+    """Stage starts at the region edges of ``sqrt``'s least-peak plan (empty if it has none)."""
+    try:
+        plan = solve_sqrt(graph, graph.static.resident_bytes)
+    except InfeasibleBudgetError as error:
+        plan = solve_sqrt(graph, error.min_peak_bytes)
+    edges = {0}
+    for region in plan.regions:
+        edges.update((region.start, region.end))
+    return sorted(edge for edge in edges if edge < len(graph.nodes)) if len(edges) > 1 else []
+
+
+def chain_curve(graph: ComputeGraph, chain: Chain, mem_unit: int | None = None) -> CostCurve:
+    """``chain``'s cost at every budget up to the no-checkpoint peak, at ``mem_unit`` (default:
+    that range above resident memory over ``DEFAULT_MEM_UNITS``, rounded up; never finer than
+    ``MAX_MEM_UNITS`` units over it, since the tables hold one entry per unit)."""
     span = max(1, graph.baseline_peak_bytes - chain.resident_bytes)
     unit = max(mem_unit or -(-span // DEFAULT_MEM_UNITS), -(-span // MAX_MEM_UNITS), 1)
-    return cost_curve(chain, min(top_bytes or graph.baseline_peak_bytes, graph.baseline_peak_bytes), unit)
+    return cost_curve(chain, graph.baseline_peak_bytes, unit)
 
 
 @register("dp")
@@ -243,9 +260,10 @@ def solve_dp(
     plan at the budget lowered by the overshoot is taken instead and reported as ``feasible``
     rather than ``optimal``.
 
-    When no chain has a plan at the budget, the plan at each chain's least budget is simulated;
-    one that fits is returned (``feasible``), otherwise ``InfeasibleBudgetError`` names the least
-    simulated peak among them, a budget at which this solver does return a plan.
+    Each chain's plan at its least budget is simulated too and competes when it fits (the
+    model overstates merged stages, so it may fit where the curve says nothing does); below
+    every such plan ``InfeasibleBudgetError`` names the least of their simulated peaks, a budget
+    at which this solver does return a plan.
     """
     started = time.perf_counter()
     if budget_bytes >= graph.baseline_peak_bytes:  # storing everything is free and fits
@@ -259,26 +277,28 @@ def solve_dp(
     chains = candidate_chains(graph)
     curves: list[CostCurve] = []
     best: _Found | None = None
+    least_bytes = graph.baseline_peak_bytes
     for chain in chains:
         if best is not None and time_limit is not None and time.perf_counter() - started > time_limit:
             break
-        curves.append(chain_curve(graph, chain, mem_unit, top_bytes=budget_bytes))
-        found = _checked(graph, curves[-1], budget_bytes)
-        if found is not None and (best is None or found.report.recompute_seconds < best.report.recompute_seconds):
-            best = found
+        curves.append(chain_curve(graph, chain, mem_unit))
+        least = _least(graph, curves[-1])
+        if least is not None:
+            least_bytes = min(least_bytes, least.report.peak_bytes)
+        # The chain's model is conservative on merged stages: its least-peak plan may fit a
+        # budget the curve rejects, and cost less than the curve's plan there.
+        for found in (_checked(graph, curves[-1], budget_bytes), least):
+            if found is None or found.report.peak_bytes > budget_bytes:
+                continue
+            if best is None or found.report.recompute_seconds < best.report.recompute_seconds:
+                best = found
     if best is None:
-        whole = [chain_curve(graph, curve.chain, mem_unit) for curve in curves]  # up to the no-checkpoint peak
-        least = [found for curve in whole if (found := _least(graph, curve)) is not None]
-        fitting = [found for found in least if found.report.peak_bytes <= budget_bytes]
-        if not fitting:
-            least_bytes = min((found.report.peak_bytes for found in least), default=graph.baseline_peak_bytes)
-            raise InfeasibleBudgetError(
-                f"Budget {describe_bytes(budget_bytes)} is below the least peak the dp solver reaches, "
-                f"{describe_bytes(least_bytes)}; raise the budget.",
-                budget_bytes=budget_bytes,
-                min_peak_bytes=least_bytes,
-            )
-        best = min(fitting, key=lambda found: found.report.recompute_seconds)
+        raise InfeasibleBudgetError(
+            f"Budget {describe_bytes(budget_bytes)} is below the least peak the dp solver reaches, "
+            f"{describe_bytes(least_bytes)}; raise the budget.",
+            budget_bytes=budget_bytes,
+            min_peak_bytes=least_bytes,
+        )
     chain = best.curve.chain
     note = f"{len(chain)} stages over {len(graph.nodes)} nodes, memory unit {best.curve.unit} byte(s)"
     if len(chain) < len(graph.nodes):
@@ -288,7 +308,7 @@ def solve_dp(
     if best.repaired:
         note += f"; re-solved {best.repaired} time(s) below the budget where merged stages were underestimated"
     if best.least_search:
-        note += "; the stage chain's least-peak plan (the budget is at the edge of what it reaches)"
+        note += "; the stage chain's least-peak plan (its model of merged stages overstates their memory)"
     exact = not best.repaired and not best.least_search
     return solver_plan(
         graph,

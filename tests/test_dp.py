@@ -210,3 +210,29 @@ def test_gpt_example_dp_never_costs_more_than_sqrt_and_reaches_lower() -> None:
     plan = ckptplan.solve(graph, (least["dp"] + least["sqrt"]) // 2, solver="dp")
     measured = ckptplan.measure_step(ckptplan.emit(graph, plan), args).peak_bytes
     assert measured <= plan.budget.bytes
+
+
+@pytest.mark.parametrize("example", ["unet", "resnet"])
+def test_graphs_with_skips_dp_never_costs_more_than_sqrt_and_its_least_peak_is_reachable(example: str) -> None:
+    """Skip connections: ``dp`` solves several stage chains (skips charged per stage, and the
+    chain at ``sqrt``'s cuts), so it reaches at least as low as ``sqrt`` and costs no more at the
+    budgets both reach; the least peak it names is a budget at which it returns a plan."""
+    model, args = load_example(example).build(batch=1, size=32) if example == "unet" else load_example(example).build()
+    graph = ckptplan.profile(model, args)
+    least = {}
+    for solver in ("sqrt", "dp"):
+        with pytest.raises(InfeasibleBudgetError) as info:
+            ckptplan.solve(graph, 1, solver=solver)
+        least[solver] = info.value.min_peak_bytes
+    assert least["dp"] <= least["sqrt"]
+    plan = ckptplan.solve(graph, least["dp"], solver="dp")
+    assert plan.prediction.peak_bytes <= least["dp"]
+    for fraction in (0.9, 0.7, 0.5):
+        budget = int(graph.static.resident_bytes + fraction * (graph.baseline_peak_bytes - graph.static.resident_bytes))
+        try:
+            sqrt_plan = ckptplan.solve(graph, budget, solver="sqrt")
+        except InfeasibleBudgetError:
+            continue
+        dp_plan = ckptplan.solve(graph, budget, solver="dp")
+        assert simulate(graph, dp_plan).peak_bytes <= budget
+        assert dp_plan.prediction.recompute_seconds <= sqrt_plan.prediction.recompute_seconds
