@@ -88,6 +88,16 @@ def main() -> None:
     sqrt_text = f"overhead {sqrt_plan.prediction.overhead:.3f}" if sqrt_plan else "infeasible"
     print(f"\n1,000-node chain, default staging: dp {seconds:.1f} s ({plan.solver.note}), overhead "
           f"{plan.prediction.overhead:.3f}; sqrt {sqrt_seconds:.1f} s, {sqrt_text}")
+    print("\nWhat merging the 1,000 nodes into fewer stages costs, at the same budget and unit:\n")
+    print("| stages | dp s, every budget | overhead |")
+    print("|---|---|---|")
+    unit = -(-(graph.baseline_peak_bytes - graph.static.resident_bytes) // 1000)
+    for stages in (32, 64, 128):
+        chain = build_chain(graph, stage_starts(graph, max_stages=stages))
+        curve, curve_seconds = timed(cost_curve, chain, graph.baseline_peak_bytes, unit)
+        overhead = simulate_overhead(graph, curve.regions(budget)) if curve.cost(budget) < float("inf") else None
+        shown = f"{overhead:.4f}" if overhead is not None else "infeasible"
+        print(f"| {len(chain)} | {curve_seconds:.2f} | {shown} |")
 
 
 def simulate_overhead(graph: ckptplan.ComputeGraph, regions) -> float:

@@ -41,6 +41,7 @@ _LAZY = {
     "apply": "ckptplan.planner",
     "measure_step": "ckptplan.planner",
     "verify": "ckptplan.planner",
+    "save_plan": "ckptplan.planner",
 }
 
 __all__ = [

@@ -77,8 +77,8 @@ def stage_starts(graph: ComputeGraph, max_stages: int = 32, skip_share: float = 
 
     A boundary k is clean when the activations live across it that were made before the
     previous stage start are at most ``skip_share`` of all live across it; such cuts are taken
-    greedily left to right. If there are too many, those with the fewest bytes live across them
-    are kept."""
+    greedily left to right. If there are too many, one per window of ``n / max_stages`` nodes is
+    kept, the one with the fewest bytes live across it (``_spread``)."""
     n = len(graph.nodes)
     if n == 0:
         return []
@@ -97,8 +97,20 @@ def stage_starts(graph: ComputeGraph, max_stages: int = 32, skip_share: float = 
         if skipped <= skip_share * crossing[k]:
             cuts.append(k)
     if len(cuts) > max_stages - 1:
-        cuts = sorted(sorted(cuts, key=lambda k: (crossing[k], k))[: max_stages - 1])
+        cuts = _spread(cuts, crossing, n, max_stages)
     return [0, *cuts]
+
+
+def _spread(cuts: list[int], crossing: list[int], n: int, max_stages: int) -> list[int]:
+    """At most one cut per window of ``n / max_stages`` nodes: in each, the one with the fewest
+    bytes live across it (the first on ties). Taking the cheapest cuts overall would bunch them
+    where a uniform chain's ties fall, at its start, and leave one huge last stage."""
+    best: dict[int, int] = {}
+    for k in cuts:
+        window = k * max_stages // n
+        if window and (window not in best or crossing[k] < crossing[best[window]]):
+            best[window] = k
+    return sorted(best.values())
 
 
 def _last_reads(graph: ComputeGraph) -> dict[int, int]:
