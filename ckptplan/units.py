@@ -28,7 +28,7 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\
 _PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 
-def parse_budget(budget: str | int | float, baseline_peak_bytes: int) -> int:
+def parse_budget(budget: str | float, baseline_peak_bytes: int) -> int:
     """Turn a budget into bytes.
 
     ``"80GB"``, ``"80GiB"``, ``"512MiB"``: sizes. A plain number is bytes, except a number in
@@ -76,7 +76,7 @@ def _plain_number(number: Decimal, baseline_peak_bytes: int, original: object, *
     return _positive(int(number), original)
 
 
-def check_budget(budget: str | int | float) -> None:
+def check_budget(budget: str | float) -> None:
     """Raise ``BudgetError`` if ``budget`` cannot be read, without needing the baseline peak
     (so a command can reject a typo before profiling)."""
     parse_budget(budget, baseline_peak_bytes=2**62)  # any fraction of a large baseline is positive

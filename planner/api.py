@@ -21,7 +21,7 @@ def checkpoint(
     args: Any,
     kwargs: dict[str, Any] | None = None,
     *,
-    budget: str | int | float,
+    budget: str | float,
     solver: str = "auto",
     trace: TraceMode = "export",
     optimizer: str | None = None,

@@ -98,7 +98,7 @@ def at_unit_edges(graph: ComputeGraph, plan: Plan, budget_bytes: int) -> Plan:
 
 def solve(
     graph: ComputeGraph,
-    budget: str | int | float = "8GB",
+    budget: str | float = "8GB",
     solver: str = "auto",
     time_limit: float | None = None,
 ) -> Plan:

@@ -17,7 +17,6 @@ recompute seconds are exact and comparisons between plans never hinge on roundin
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Sequence
 
 from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage, TensorSpec

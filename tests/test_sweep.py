@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch  # noqa: F401  (import before CliRunner runs; see test_cli.py)
+import torch  # imported before CliRunner runs (see test_cli.py)
 from typer.testing import CliRunner
 
 import ckptplan
@@ -15,7 +15,7 @@ from ckptplan.planner.sweep import sweep
 from tests import models
 
 MODEL = """
-import torch
+import torch  # imported before CliRunner runs (see test_cli.py)
 from torch import nn
 
 def build():
