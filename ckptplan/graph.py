@@ -29,6 +29,9 @@ class Storage:
     ``kind``: ``activation`` (some node's output), ``hidden`` (allocated by an op and saved for
     backward but returned by no node: masks, statistics), ``input`` (a graph input, held by the
     caller), ``param`` / ``buffer`` (model state). ``trainable`` marks parameters that get a grad.
+    ``cached``: a ``hidden`` copy that ``torch.autocast`` made of a tensor that requires grad (a
+    trainable parameter) and keeps in its cache until the context exits: the end of forward and
+    loss, or of a recompute in backward. Autograd may save it too, or nothing may (a bias).
     """
 
     index: int
@@ -36,6 +39,7 @@ class Storage:
     kind: StorageKind
     producer: int = -1
     trainable: bool = False
+    cached: bool = False
 
     @property
     def is_static(self) -> bool:
@@ -56,6 +60,10 @@ class Node:
     ``random``: the op draws random numbers (dropout); recomputation replays the RNG stream.
     ``grad_aliases_output``: the gradients it passes to its inputs are views of the gradient
     it receives (view ops), so backward allocates nothing for them.
+    ``grad_aliased_inputs``: the input nodes whose gradient is a view of the one it receives:
+    all of ``grad_inputs`` for view ops, some for others (an ``add`` of a float32 and a bfloat16
+    tensor, as autocast makes them, passes its float32 gradient on and casts a copy for the
+    other input). Backward allocates nothing for those either.
     ``output_bytes``: bytes of its floating output tensors (the size of their gradient).
     ``fwd_workspace_bytes`` / ``bwd_workspace_bytes``: temporaries the op allocates and frees
     inside its forward / backward, beyond what it returns (composite ops: math attention,
@@ -76,6 +84,7 @@ class Node:
     inplace: bool = False
     random: bool = False
     grad_aliases_output: bool = False
+    grad_aliased_inputs: tuple[int, ...] = ()
     output_bytes: int = 0
     fwd_flops: int = 0
     bwd_flops: int = 0

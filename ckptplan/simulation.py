@@ -8,8 +8,10 @@ The model of PyTorch (2.x, eager, non-reentrant ``torch.utils.checkpoint``) it e
 * **Forward.** Each op allocates its fresh output storages and any hidden tensors it saves.
   A storage stays alive while someone holds it: the running program (until the last use of
   any value living in it; graph outputs until forward ends), autograd (tensors an op saves,
-  until that op's backward), or a checkpoint. Inputs of a region are held by the caller until
-  the region returns.
+  until that op's backward), a checkpoint, or autocast's cache (the casts of trainable
+  parameters, ``Storage.cached``, until the forward or the recompute that made them ends, as
+  ``torch.autocast`` empties its cache when the outermost context exits). Inputs of a region
+  are held by the caller until the region returns.
 * **Checkpointed region.** Ops inside save nothing: autograd gets placeholders. A top-level
   region keeps its inputs (``frame.save_inputs``) until its backward is done; a nested region
   saves its inputs through the enclosing region's hooks, so they are dropped in forward and
@@ -23,7 +25,10 @@ The model of PyTorch (2.x, eager, non-reentrant ``torch.utils.checkpoint``) it e
 * **Backward.** Ops run in reverse execution order. Each allocates a gradient for every input
   that needs one (or accumulates into an existing one: a transient of that size), parameter
   gradients the first time (resident until the step ends), then frees the gradient it consumed
-  and the tensors it had saved. View ops pass a view of their incoming gradient on.
+  and the tensors it had saved. View ops pass a view of their incoming gradient on (other ops,
+  to the inputs in ``Node.grad_aliased_inputs``: a type-promoting ``add``). The loss's
+  seed costs nothing (a scalar, or a broadcast view of one for ``out.sum()``); a view op at the
+  loss hands that view on, and the first gradient added to it allocates the full size.
 
 Peak = the most bytes live at any op, resident state (parameters, buffers, inputs, optimizer
 state) included.
@@ -323,7 +328,7 @@ class _Simulator:
             mem.observe("forward" if root is None else "recompute", i, workspace)
             self._save(i, owner, root, kept, tag, env)
             for storage in g.produced_by(i):
-                if storage.kind == "hidden" and storage.index in env:
+                if storage.kind == "hidden" and not storage.cached and storage.index in env:
                     mem.release(env[storage.index], fwd_token)
             for s in release_at.pop(i, ()):
                 if s in env:
@@ -442,9 +447,12 @@ class _Simulator:
 class GradientStep:
     """What one node's backward does with gradients; no plan changes it.
 
-    ``incoming``: id of the gradient it consumes (None for a loss, whose seed is a scalar);
+    ``incoming``: id of the gradient it consumes; None for the loss's seed, which costs nothing:
+    a scalar, or for a non-scalar output the broadcast view ``out.sum()``'s backward makes of one
+    (``profiler.loss``), which view ops (``add``, ``view``, ``t``) hand on as it is;
     ``allocated``: (gradient id, bytes, receiving node) for each input gradient it creates;
-    ``aliased``: receiving nodes it hands a view of ``incoming`` (view ops); ``param_grads``:
+    ``aliased``: receiving nodes it hands a view of ``incoming`` (view ops, and the inputs in
+    ``Node.grad_aliased_inputs``); ``param_grads``:
     parameter storages whose gradient it allocates first; ``transient_bytes``: what it adds into
     gradients that already exist (a temporary of that size)."""
 
@@ -459,7 +467,7 @@ class GradientStep:
 def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
     """The backward's gradient bookkeeping, in the order backward runs: every node that requires
     grad and receives a gradient (from the loss nodes down)."""
-    grads: dict[int, int | None] = {i: None for i in graph.loss_nodes}
+    grads: dict[int, int | None] = {i: None for i in graph.loss_nodes}  # node -> its gradient; None: the seed
     done_params: set[int] = set()
     steps: list[GradientStep] = []
     counter = 0
@@ -471,14 +479,19 @@ def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
         transient = 0
         allocated: list[tuple[int, int, int]] = []
         aliased: list[int] = []
+        views = set(node.grad_inputs) if node.grad_aliases_output else set(node.grad_aliased_inputs)
         for j in sorted(set(node.grad_inputs)):
             size = graph.nodes[j].output_bytes
-            if j in grads:
+            if grads.get(j) is not None:
                 transient += size
-            elif node.grad_aliases_output and incoming is not None:
+            elif j not in grads and j in views:
                 grads[j] = incoming
-                aliased.append(j)
+                if incoming is not None:
+                    aliased.append(j)
             else:
+                # New, or the first gradient added to the seed's broadcast view: autograd adds
+                # the two out of place (an expanded tensor cannot be accumulated into), so j
+                # then holds a gradient of its full size.
                 counter += 1
                 grads[j] = counter
                 allocated.append((counter, size, j))

@@ -43,15 +43,11 @@ def measure_step(
     starts from the state a training loop sees. ``autocast``: run forward and loss under
     ``torch.autocast`` with this dtype and backward outside it (``forward_autocast``).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = dict(kwargs or {})
     for p in module.parameters():
         p.grad = None
-    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    tracker = MemTracker()
-    tracker.track_external(module, *inputs)
+    tracker = memory_tracker(module, *[t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
     with tracker:
         with forward_autocast(module, args, kwargs, autocast):
             loss = training_loss(module(*args, **kwargs))
@@ -61,3 +57,25 @@ def measure_step(
     snapshot = tracker.get_tracker_snapshot("peak")
     peak = sum(v["Total"] for v in snapshot.values())
     return Measurement(peak_bytes=int(peak), loss=value)
+
+
+def memory_tracker(module: nn.Module, *inputs: torch.Tensor) -> Any:
+    """A ``MemTracker`` that counts ``module``'s state and ``inputs`` as resident, for a step of
+    ``module`` run inside it, also when some of its parameters are frozen.
+
+    MemTracker (torch 2.13) registers a gradient hook on each parameter of every module it sees
+    run, to label gradients, and ``register_hook`` raises on a parameter that does not require
+    grad. Such a parameter never gets a gradient, so a hook that does nothing stands in for one
+    in MemTracker's table of them (which it empties on exit). What it counts is unchanged: every
+    allocation; the hooks only name gradients."""
+    from collections import OrderedDict
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.hooks import RemovableHandle
+
+    tracker = MemTracker()
+    for p in module.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (RemovableHandle(OrderedDict()), RemovableHandle(OrderedDict()))
+    tracker.track_external(module, *inputs)
+    return tracker

@@ -69,6 +69,8 @@ class _AllocationMeter(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         self.saw_random = False
+        self.cache_dtype: torch.dtype | None = None  # autocast's dtype, when its cache is on
+        self.cached_casts: list[torch.Tensor] = []
 
     def start(self, *existing: Collection[int], watch: Iterable[torch.Tensor] = ()) -> None:
         """Measure from zero.
@@ -85,6 +87,7 @@ class _AllocationMeter(TorchDispatchMode):
         self._known = existing
         self.current_bytes = self.peak_bytes = 0
         self.saw_random = False
+        self.cached_casts = []
         for t in watch:
             key = storage_key(t)
             if not self._is_known(key) and key not in self._live:
@@ -105,6 +108,8 @@ class _AllocationMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = _as_eager(func, args, func(*args, **(kwargs or {})))
         self.saw_random = self.saw_random or torch.Tag.nondeterministic_seeded in func.tags
+        if self.cache_dtype is not None and _is_cached_cast(func, args, kwargs or {}, self.cache_dtype):
+            self.cached_casts.append(out)
         self._prune()
         for t in _tensors(out):
             key = storage_key(t)
@@ -117,6 +122,18 @@ class _AllocationMeter(TorchDispatchMode):
 
 
 _aten = torch.ops.aten
+
+
+def _is_cached_cast(func: Any, args: tuple, kwargs: dict, dtype: torch.dtype) -> bool:
+    """Whether ``func(*args, **kwargs)`` is a cast autocast keeps in its cache: to its
+    lower-precision ``dtype``, of a float32 leaf that requires grad and is no view (the test of
+    ``cached_cast`` in ATen's ``autocast_mode.cpp``). A frozen parameter's cast is not cached."""
+    if func is not _aten._to_copy.default or kwargs.get("dtype") != dtype:
+        return False
+    x = args[0]
+    return x.dtype == torch.float32 and x.requires_grad and x.is_leaf and not x._is_view()
+
+
 # Normalisations: position of the input and of the weight among their arguments.
 _NORMS = {
     _aten.native_layer_norm.default: (0, 2),
@@ -219,13 +236,18 @@ class _Recorder:
         self.autocast: Autocast | None = None
         self.target: Target | None = None  # whose dropout kernels to run, if not the fake tensors' device's
 
-    def add_storage(self, t: torch.Tensor, kind: StorageKind, producer: int = -1, trainable: bool = False) -> int:
+    def add_storage(
+        self, t: torch.Tensor, kind: StorageKind, producer: int = -1, trainable: bool = False, cached: bool = False
+    ) -> int:
         key = storage_key(t)
         index = self.storage_of.get(key)
         if index is None:
             index = len(self.rec.storages)
             self.rec.storages.append(
-                Storage(index=index, nbytes=t.untyped_storage().nbytes(), kind=kind, producer=producer, trainable=trainable)
+                Storage(
+                    index=index, nbytes=t.untyped_storage().nbytes(), kind=kind, producer=producer,
+                    trainable=trainable, cached=cached,
+                )
             )
             self.storage_of[key] = index
             self.keep_alive.append(t)
@@ -329,6 +351,8 @@ def _interpret(recorder: _Recorder, fake_inputs: list[Any], loss_leaves_fn: Any)
         return t
 
     counter = _Meters(FlopCounterMode(display=False), _AllocationMeter())
+    if recorder.autocast is not None and torch.is_autocast_cache_enabled():
+        counter.alloc.cache_dtype = recorder.autocast.dtype
     with counter.flops, counter.alloc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for fx_node in gm.graph.nodes:
             if fx_node.op == "placeholder":
@@ -385,7 +409,8 @@ def _record_node(
     counter.alloc.start(recorder.storage_of.keys())
     out = _run(recorder, fx_node, args, kwargs)
     fwd_flops = counter.flops.get_total_flops() - flops_before
-    kept = {storage_key(t) for t in _tensors(out)} | {storage_key(t) for t in saved_log}
+    casts = counter.alloc.cached_casts  # parameter casts autocast's cache holds past this op
+    kept = {storage_key(t) for t in (*_tensors(out), *saved_log, *casts)}
     fwd_workspace = max(0, counter.alloc.peak_bytes - counter.alloc.alive_bytes(kept))
     random = counter.alloc.saw_random
 
@@ -395,6 +420,8 @@ def _record_node(
         s = recorder.add_storage(t, "activation", producer=index)
         if s not in outputs:
             outputs.append(s)
+    for t in casts:
+        recorder.add_storage(t, "hidden", producer=index, cached=True)
     saved: list[int] = []
     for t in saved_log:
         s = recorder.add_storage(t, "hidden", producer=index)
@@ -414,11 +441,15 @@ def _record_node(
 
     in_tensors = _tensors((args, kwargs))
     bytes_moved = sum(tensor_bytes(t) for t in in_tensors) + sum(tensor_bytes(t) for t in out_tensors)
-    bwd_flops, aliases, bwd_workspace = 0, False, 0
+    local = _LocalBackward()
     if requires_grad and (grad_inputs or param_grads):
-        bwd_flops, aliases, bwd_workspace = _local_backward(
-            recorder, fx_node, args, kwargs, param_tensors, counter, saved_log
-        )
+        local = _local_backward(recorder, fx_node, args, kwargs, param_tensors, counter, saved_log)
+    grad_aliased_inputs = tuple(
+        recorder.node_index[n] for n in dict.fromkeys(input_nodes)
+        if recorder.node_index[n] in grad_inputs
+        and all(id(t) in local.aliased_values for t in _tensors(env[n]) if t.requires_grad and t.is_floating_point())
+    )
+    bwd_flops, bwd_workspace = local.flops, local.workspace_bytes
     node = Node(
         index=index,
         name=fx_node.name,
@@ -432,7 +463,8 @@ def _record_node(
         requires_grad=requires_grad,
         inplace=_is_inplace(fx_node),
         random=random,
-        grad_aliases_output=aliases,
+        grad_aliases_output=local.aliases,
+        grad_aliased_inputs=grad_aliased_inputs,
         output_bytes=sum(tensor_bytes(t) for t in grad_outputs),
         fwd_flops=int(fwd_flops),
         bwd_flops=int(bwd_flops),
@@ -470,6 +502,21 @@ def _param_inputs(recorder: _Recorder, fx_node: torch.fx.Node, args: tuple, kwar
     return list(found.values())
 
 
+@dataclass(frozen=True)
+class _LocalBackward:
+    """What the backward of one op alone does: its FLOPs; ``aliases``: every input gradient it
+    produces is a view of the gradient it receives (view ops, ``cat``); ``aliased_values``: ids
+    of the argument tensors whose gradient is such a view (for ``add`` of a float32 and a
+    bfloat16 tensor, only the float32 one's); ``workspace_bytes``: its peak net allocation beyond
+    the gradients it returns: temporaries, less hidden saved tensors freed on the way (so it may
+    be negative)."""
+
+    flops: int = 0
+    aliases: bool = False
+    aliased_values: frozenset[int] = frozenset()
+    workspace_bytes: int = 0
+
+
 def _local_backward(
     recorder: _Recorder,
     fx_node: torch.fx.Node,
@@ -478,11 +525,8 @@ def _local_backward(
     params: list[torch.Tensor],
     counter: _Meters,
     saved_log: list[torch.Tensor],
-) -> tuple[int, bool, int]:
-    """Backward FLOPs of this op alone, whether the input gradients it produces are views of
-    the gradient it receives (view ops, ``cat``), and its backward's peak net allocation beyond
-    the gradients it returns: temporaries, less hidden saved tensors freed on the way (so it
-    may be negative).
+) -> _LocalBackward:
+    """Run the backward of this op alone (``_LocalBackward`` says what it measures).
 
     The op runs again on detached copies of its activation inputs, so the gradient stops at
     them instead of flowing back through the rest of the graph.
@@ -516,14 +560,21 @@ def _local_backward(
             grads = torch.autograd.grad(local_out, targets, seeds, allow_unused=True)
     except RuntimeError as exc:  # e.g. in-place ops on a fresh leaf; fall back to "no aliasing"
         log.debug("local backward of %s failed (%s)", fx_node.name, exc)
-        return 0, False, 0
+        return _LocalBackward()
     flops = counter.flops.get_total_flops() - before
     returned = {storage_key(g) for g in grads if g is not None}
     workspace = counter.alloc.peak_bytes - counter.alloc.alive_bytes(returned)
     seed_keys = {storage_key(s) for s in seeds}
     activation_grads = [g for g in grads[: len(leaves)] if g is not None]
-    aliases = bool(activation_grads) and all(storage_key(g) in seed_keys for g in activation_grads)
-    return int(flops), aliases, int(workspace)
+    aliased = frozenset(
+        value_id for value_id, g in zip(leaves, grads) if g is not None and storage_key(g) in seed_keys
+    )
+    return _LocalBackward(
+        flops=int(flops),
+        aliases=bool(activation_grads) and all(storage_key(g) in seed_keys for g in activation_grads),
+        aliased_values=aliased,
+        workspace_bytes=int(workspace),
+    )
 
 
 def _record_outputs(recorder: _Recorder, fx_node: torch.fx.Node, env: dict, loss_leaves_fn: Any) -> None:

@@ -120,7 +120,8 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
         old = graph.storages[s]
         inside = lo <= old.producer < hi
         kind = old.kind if inside or old.is_static else "input"
-        storages.append(Storage(k, old.nbytes, kind, old.producer - lo if inside else -1, old.trainable))
+        storages.append(Storage(k, old.nbytes, kind, old.producer - lo if inside else -1, old.trainable,
+                                cached=old.cached and inside))
     nodes = [
         replace(
             node,
@@ -129,6 +130,7 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
             outputs=tuple(remap[s] for s in node.outputs),
             saved=tuple(remap[s] for s in node.saved),
             grad_inputs=tuple(i - lo for i in node.grad_inputs if i >= lo),
+            grad_aliased_inputs=tuple(i - lo for i in node.grad_aliased_inputs if i >= lo),
             param_grads=tuple(remap[s] for s in node.param_grads),
         )
         for node in graph.nodes[lo:hi]
