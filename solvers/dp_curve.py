@@ -160,7 +160,11 @@ class CurveDP(StageUnits):
             values = self.suffix((0, self.L - 1, False, 0, True, True, False))[0] if self.L else self._zeros
         finally:
             sys.setrecursionlimit(limit)
-        return CostCurve(self.chain, self.unit, values[:self.U + 1][::-1].copy(), self)
+        costs = values[:self.U + 1][::-1].copy()
+        # Plans are read from the choice rows alone: the cost matrices can go.
+        self._by_family.clear()
+        self._by_start.clear()
+        return CostCurve(self.chain, self.unit, costs, self)
 
     def suffix(self, key: _Key) -> tuple[np.ndarray, np.ndarray]:
         """(cost row with its infinite tail, choice row) of ``key``, filled on first use."""
@@ -280,7 +284,7 @@ class CurveDP(StageUnits):
         k, b, region, delta, ihs, ihb, first = key
         regions = []
         while k <= b:
-            code = int(self.suffix((k, b, region, delta, ihs, ihb, first))[1][m])
+            code = int(self._choice.get((k, b, region, delta, ihs, ihb, first), self._no_choice)[m])
             if code < 0:
                 raise ValueError(f"no plan at entry {m} of stages {k}..{b}")
             if code == 0:
