@@ -210,3 +210,51 @@ def test_every_solver_plans_regions_inside_shard_units(solver: str) -> None:
         for region in top.walk():
             assert not any(region.start < e < region.end for e in edges), (region, edges)
     assert_same_gradients(model, ckptplan.emit(graph, plan), args)
+
+
+def _ddp_rank(rank: int, world: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+
+        from ckptplan.profiler.loss import training_loss
+
+        model, x = stack()
+        shard = x.chunk(world)[rank]  # each rank its own slice of the batch
+        graph = ckptplan.profile(model, (shard,))
+        # Blocks 2-4 in one region holding two nested ones, the first block's second Linear kept.
+        plan = ckptplan.make_plan(graph, [
+            ckptplan.Region(0, 4, keep=(graph.nodes[2].name,)),
+            ckptplan.Region(4, 16, children=(ckptplan.Region(4, 8), ckptplan.Region(8, 12))),
+        ])
+        emitted = DistributedDataParallel(ckptplan.emit(graph, plan))
+        training_loss(emitted(shard)).backward()
+        out[rank] = ([p.grad.clone() for p in model.parameters()], len(plan.regions))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_emitted_module_trains_under_ddp_with_the_averaged_gradients() -> None:
+    """DDP around an emitted module (a keep-set region and nested regions): each rank's
+    gradients after the all-reduce equal the average of the single-process gradients of the
+    two slices of the batch."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_ddp_rank, args=(2, _free_port(), results), nprocs=2)
+        results = dict(results)
+    from ckptplan.profiler.loss import training_loss
+
+    model, x = stack()
+    expected = None
+    for shard in x.chunk(2):
+        reference = copy.deepcopy(model)
+        training_loss(reference(shard)).backward()
+        grads = [p.grad for p in reference.parameters()]
+        expected = grads if expected is None else [(a + b) / 2 for a, b in zip(expected, grads)]
+    for rank in (0, 1):
+        grads, regions = results[rank]
+        assert regions > 0
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want)
