@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.util
 import itertools
 import logging
@@ -29,7 +30,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -63,13 +64,9 @@ def _load(relative: str) -> ModuleType:
     return sys.modules[name]
 
 
-@dataclass(frozen=True)
-class Workload:
-    """A model and the inputs of one training step."""
-
-    model: nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)
+# compare.py's workloads: the same transformers configs, with fewer layers here.
+_compare = _load("benchmarks/compare.py")
+Workload = _compare.Workload
 
 
 @dataclass(frozen=True)
@@ -82,9 +79,7 @@ class Case:
     precisions: tuple[str, ...] = ("fp32",)
 
 
-def _example(name: str, **sizes: int) -> Workload:
-    built = _load(f"examples/{name}.py").build(**sizes)
-    return Workload(built[0], tuple(built[1]), dict(built[2]) if len(built) > 2 else {})
+_example = _compare._example
 
 
 def _gpt() -> Workload:
@@ -93,41 +88,9 @@ def _gpt() -> Workload:
     return Workload(model, (torch.randint(0, 256, (2, 128)), torch.randint(0, 256, (2, 128))))
 
 
-def _gpt2() -> Workload:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=128, n_head=4, n_positions=128, vocab_size=256, use_cache=False,
-        bos_token_id=0, eos_token_id=0,
-    )
-    ids = torch.randint(0, 256, (4, 128))
-    return Workload(transformers.GPT2LMHeadModel(config), (ids,), {"labels": ids})
-
-
-def _llama() -> Workload:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=352, max_position_embeddings=128, use_cache=False,
-    )
-    ids = torch.randint(0, 256, (4, 128))
-    return Workload(transformers.LlamaForCausalLM(config), (ids,), {"labels": ids})
-
-
-def _bert() -> Workload:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
-        max_position_embeddings=128,
-    )
-    ids = torch.randint(0, 256, (4, 128))
-    labels = torch.randint(0, 2, (4,))
-    return Workload(transformers.BertForSequenceClassification(config), (ids,), {"labels": labels})
+_gpt2 = functools.partial(_compare._gpt2, layers=2)
+_llama = functools.partial(_compare._llama, layers=2)
+_bert = functools.partial(_compare._bert, layers=2)
 
 
 def _vit() -> Workload:

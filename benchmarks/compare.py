@@ -125,40 +125,40 @@ def _example(name: str, **build_kwargs: int) -> Workload:
     return Workload(built[0], tuple(built[1]), dict(built[2]) if len(built) > 2 else {})
 
 
-def _gpt2() -> Workload:
-    """A 4-layer GPT-2 from ``transformers``, built from a config (no download); the model computes
-    its own LM loss from ``labels``. ``use_cache=False``: export fails on the cache (NOTES.md)."""
+def _gpt2(layers: int = 4) -> Workload:
+    """A GPT-2 from ``transformers``, built from a config (no download); the model computes its own
+    LM loss from ``labels``. ``use_cache=False``: export fails on the cache (NOTES.md)."""
     import transformers
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_layer=4, n_embd=128, n_head=4, n_positions=128, vocab_size=256, use_cache=False,
+        n_layer=layers, n_embd=128, n_head=4, n_positions=128, vocab_size=256, use_cache=False,
         bos_token_id=0, eos_token_id=0,
     )
     ids = torch.randint(0, 256, (4, 128))
     return Workload(transformers.GPT2LMHeadModel(config), (ids,), {"labels": ids})
 
 
-def _llama() -> Workload:
-    """A 4-layer Llama (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) from ``transformers``."""
+def _llama(layers: int = 4) -> Workload:
+    """A Llama (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) from ``transformers``."""
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=352, max_position_embeddings=128, use_cache=False,
     )
     ids = torch.randint(0, 256, (4, 128))
     return Workload(transformers.LlamaForCausalLM(config), (ids,), {"labels": ids})
 
 
-def _bert() -> Workload:
-    """A 4-layer BERT sequence classifier from ``transformers``."""
+def _bert(layers: int = 4) -> Workload:
+    """A BERT sequence classifier from ``transformers``."""
     import transformers
 
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=512,
+        vocab_size=256, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=512,
         max_position_embeddings=128,
     )
     ids = torch.randint(0, 256, (4, 128))
