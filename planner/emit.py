@@ -319,9 +319,11 @@ def _share_state(module: CheckpointedModule, model: nn.Module, source: torch.fx.
                  wrappers: dict[str, nn.Module]) -> None:
     """Make ``module``'s module tree the model's: same children, parameters and buffers."""
     children: dict[str, nn.Module] = dict(model._modules)
-    for name in ("_guards_fn",):
-        if hasattr(source, name):
-            children[name] = getattr(source, name)
+    # Submodules that exist only in the traced module: export's guard function and the bodies of
+    # higher-order ops (``torch.autocast``/``torch.no_grad`` blocks become
+    # ``wrap_with_autocast(submod_1, ...)``), which the graph reads with get_attr.
+    for name, child in source.named_children():
+        children.setdefault(name, child)
     clash = set(children) & set(wrappers)
     if clash:
         raise PlanFormatError(f"The model has a submodule named {min(clash)!r}, which ckptplan reserves.")

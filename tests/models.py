@@ -63,6 +63,25 @@ class InplaceAndViews(nn.Module):
         return h.t().contiguous().t()
 
 
+class ScopedBlocks(nn.Module):
+    """Code under ``torch.autocast(enabled=False)`` (as ``transformers``' rotary embeddings run it)
+    and under ``torch.no_grad()``: ``torch.export`` turns each block into a higher-order op whose
+    body is a submodule of the traced module only (``wrap_with_autocast(submod_1, ...)``)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        with torch.autocast(x.device.type, enabled=False):
+            angles = torch.sin(h.float() * 0.5)
+        with torch.no_grad():
+            scale = h.abs().amax() + 1.0
+        return self.b(h * angles.to(h.dtype)) / scale
+
+
 @dataclass
 class Output:
     loss: torch.Tensor

@@ -67,6 +67,7 @@ CASES = {
     "dropout": lambda: (models.DropoutEverywhere(), (torch.randn(16, 64),), {}),
     "conv_bn": lambda: (models.ConvBN(), (torch.randn(4, 8, 8, 8),), {}),
     "inplace_views_frozen": lambda: (models.InplaceAndViews(), (torch.randn(8, 32),), {}),
+    "scoped_blocks": lambda: (models.ScopedBlocks(), (torch.randn(8, 32),), {}),
     "kwargs_dataclass_tied": lambda: (
         models.KwargsAndDataclass(),
         (torch.randint(0, 50, (4, 6)),),
