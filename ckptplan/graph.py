@@ -68,6 +68,11 @@ class Node:
     ``fwd_workspace_bytes`` / ``bwd_workspace_bytes``: temporaries the op allocates and frees
     inside its forward / backward, beyond what it returns (composite ops: math attention,
     cross-entropy).
+    ``made_by_last_save``: the storages it allocates that exist when autograd saves its last
+    tensor, where a recompute's early stop ends (autograd saves an op's inputs before it runs,
+    its outputs after: CUDA's one-kernel dropout has made its output and mask when it saves the
+    mask; CPU's, a ``bernoulli_`` then a ``mul`` that saves the mask as an input, has made only
+    the mask). None: the storages of its own it saves.
     ``fwd_cost`` / ``bwd_cost``: roofline time estimates in seconds (see profiler.cost).
     """
 
@@ -90,6 +95,7 @@ class Node:
     bwd_flops: int = 0
     fwd_workspace_bytes: int = 0
     bwd_workspace_bytes: int = 0
+    made_by_last_save: tuple[int, ...] | None = None
     bytes_moved: int = 0
     fwd_cost: float = 0.0
     bwd_cost: float = 0.0
@@ -123,7 +129,8 @@ class ComputeGraph:
     """The forward graph of one training step, annotated for planning.
 
     ``outputs``: node indices whose values the model returns; ``loss_nodes``: those backward
-    starts from (see ``profiler.loss.loss_leaves``). ``traced`` (the torch GraphModule the
+    starts from (see ``profiler.loss.loss_leaves``); ``loss_scalar_bytes`` and ``seed_bytes``: the
+    scalars the step adds around backward (``simulation``'s docstring says when each lives). ``traced`` (the torch GraphModule the
     emitter rewrites) and ``model`` (the profiled module) are handles, not part of the
     description: no equality, no hash, never serialised.
     """
@@ -136,6 +143,11 @@ class ComputeGraph:
     loss_nodes: tuple[int, ...]
     inputs: tuple[TensorSpec, ...] = ()
     trace: str = "export"
+    # The scalars a step adds around backward (``profiler.loss.training_loss``): the loss that
+    # ``out.sum()`` allocates when the model does not return a scalar loss (0 when it does), live
+    # from the end of forward to the end of the step; and backward's seed, ``ones_like(loss)``.
+    loss_scalar_bytes: int = 0
+    seed_bytes: int = 0
     # The dtype name ("bfloat16", "float16") when the step's forward runs under torch.autocast:
     # the graph's bytes are then those of that step, and the fingerprint tells it apart.
     autocast: str | None = None

@@ -26,9 +26,12 @@ The model of PyTorch (2.x, eager, non-reentrant ``torch.utils.checkpoint``) it e
   that needs one (or accumulates into an existing one: a transient of that size), parameter
   gradients the first time (resident until the step ends), then frees the gradient it consumed
   and the tensors it had saved. View ops pass a view of their incoming gradient on (other ops,
-  to the inputs in ``Node.grad_aliased_inputs``: a type-promoting ``add``). The loss's
-  seed costs nothing (a scalar, or a broadcast view of one for ``out.sum()``); a view op at the
-  loss hands that view on, and the first gradient added to it allocates the full size.
+  to the inputs in ``Node.grad_aliased_inputs``: a type-promoting ``add``). Backward starts
+  from its seed, a scalar ``ones_like(loss)`` (``graph.seed_bytes``) that autograd's graph root
+  holds until backward ends, and each loss node receives as its gradient: for ``out.sum()``
+  (``profiler.loss``) as a broadcast view, which view ops hand on as it is, and which the first
+  gradient added to it replaces by a full-size sum. The scalar ``out.sum()`` made
+  (``graph.loss_scalar_bytes``) lives from the end of forward to the end of the step.
 
 Peak = the most bytes live at any op, resident state (parameters, buffers, inputs, optimizer
 state) included.
@@ -209,6 +212,14 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
     return tops
 
 
+def made_at_early_stop(graph: ComputeGraph, i: int) -> frozenset[int]:
+    """The storages node ``i`` has allocated when a recompute's early stop fires at its last save."""
+    node = graph.nodes[i]
+    if node.made_by_last_save is not None:
+        return frozenset(node.made_by_last_save)
+    return frozenset(s for s in node.saved if graph.storages[s].producer == i)
+
+
 def later_inplace_writer(graph: ComputeGraph, index: int) -> str | None:
     """Name of a later in-place node writing into node ``index``'s output storage, if any."""
     outputs = set(graph.nodes[index].outputs)
@@ -316,10 +327,9 @@ class _Simulator:
                     self.recomputed_nodes.append(i)
                 produced = g.produced_by(i)
                 if root is not None and stop_child is None and i == hi:
-                    # Early stop fires at this op's last pack: autograd saves inputs before the op
-                    # computes, so only what the op saves of its own allocations exists by then.
-                    saved = set(g.nodes[i].saved)
-                    produced = tuple(st for st in produced if st.index in saved)
+                    # Early stop fires at this op's last save (``Node.made_by_last_save``).
+                    made = made_at_early_stop(g, i)
+                    produced = tuple(st for st in produced if st.index in made)
                 for storage in produced:
                     key = (storage.index, tag)
                     env[storage.index] = key
@@ -414,6 +424,7 @@ class _Simulator:
         g, mem = self.g, self.mem
         self._run_forward(0, self.n - 1, 0, None, {})
         steps = {step.node: step for step in gradient_steps(g)}
+        _begin_backward(mem, g)
         for i in reversed(range(self.n)):
             step = steps.get(i)
             if step is not None:
@@ -443,23 +454,32 @@ class _Simulator:
         )
 
 
+# Gradient id of backward's seed; the gradients ops allocate count up from it.
+SEED = 1
+_LOSS_KEY: _Key = (-SEED, 1)  # the loss scalar: beside the gradients' (-id, 0) keys
+
+
 @dataclass(frozen=True)
 class GradientStep:
     """What one node's backward does with gradients; no plan changes it.
 
-    ``incoming``: id of the gradient it consumes; None for the loss's seed, which costs nothing:
-    a scalar, or for a non-scalar output the broadcast view ``out.sum()``'s backward makes of one
-    (``profiler.loss``), which view ops (``add``, ``view``, ``t``) hand on as it is;
+    ``incoming``: ids of the gradients it consumes: one, or one per output of a multi-output op
+    (autograd holds each output's gradient in its own slot until the op's backward runs);
+    ``SEED`` is backward's seed, a scalar that the loss nodes hold, for a non-scalar output as
+    the broadcast view ``out.sum()``'s backward makes of it, which view ops (``add``, ``view``,
+    ``t``) hand on as it is;
     ``allocated``: (gradient id, bytes, receiving node) for each input gradient it creates;
     ``aliased``: receiving nodes it hands a view of ``incoming`` (view ops, and the inputs in
-    ``Node.grad_aliased_inputs``); ``param_grads``:
-    parameter storages whose gradient it allocates first; ``transient_bytes``: what it adds into
-    gradients that already exist (a temporary of that size)."""
+    ``Node.grad_aliased_inputs``), also into a free output slot of a multi-output op;
+    ``replaced``: receiving nodes whose view of the seed an allocated gradient replaces;
+    ``param_grads``: parameter storages whose gradient it allocates first; ``transient_bytes``:
+    what it adds into gradients that already exist (a temporary of that size)."""
 
     node: int
-    incoming: int | None
+    incoming: tuple[int, ...]
     allocated: tuple[tuple[int, int, int], ...]
     aliased: tuple[int, ...]
+    replaced: tuple[int, ...]
     param_grads: tuple[int, ...]
     transient_bytes: int
 
@@ -467,10 +487,11 @@ class GradientStep:
 def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
     """The backward's gradient bookkeeping, in the order backward runs: every node that requires
     grad and receives a gradient (from the loss nodes down)."""
-    grads: dict[int, int | None] = {i: None for i in graph.loss_nodes}  # node -> its gradient; None: the seed
+    grads: dict[int, tuple[int, ...]] = {i: (SEED,) for i in graph.loss_nodes}  # node -> ids of its gradients
+    slots: dict[int, set[int]] = defaultdict(set)  # multi-output node -> outputs whose gradient arrived
     done_params: set[int] = set()
     steps: list[GradientStep] = []
-    counter = 0
+    counter = SEED
     for i in reversed(range(len(graph.nodes))):
         node = graph.nodes[i]
         if not (node.requires_grad and i in grads):
@@ -479,22 +500,30 @@ def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
         transient = 0
         allocated: list[tuple[int, int, int]] = []
         aliased: list[int] = []
+        replaced: list[int] = []
         views = set(node.grad_inputs) if node.grad_aliases_output else set(node.grad_aliased_inputs)
         for j in sorted(set(node.grad_inputs)):
             size = graph.nodes[j].output_bytes
-            if grads.get(j) is not None:
+            slot = _output_slot(graph, i, j) if j in views else None
+            if slot is not None and j in grads and slot not in slots[j] and grads[j] != (SEED,):
+                grads[j] = grads[j] + incoming  # another output's gradient: its own slot
+                aliased.append(j)
+            elif j in grads and grads[j] != (SEED,):
                 transient += size
             elif j not in grads and j in views:
                 grads[j] = incoming
-                if incoming is not None:
-                    aliased.append(j)
+                aliased.append(j)
             else:
                 # New, or the first gradient added to the seed's broadcast view: autograd adds
                 # the two out of place (an expanded tensor cannot be accumulated into), so j
                 # then holds a gradient of its full size.
+                if j in grads:
+                    replaced.append(j)
                 counter += 1
-                grads[j] = counter
+                grads[j] = (counter,)
                 allocated.append((counter, size, j))
+            if slot is not None:
+                slots[j].add(slot)
         params = []
         for p in node.param_grads:
             if p in done_params:
@@ -502,24 +531,48 @@ def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
             else:
                 done_params.add(p)
                 params.append(p)
-        steps.append(GradientStep(i, incoming, tuple(allocated), tuple(aliased), tuple(params), transient))
+        steps.append(
+            GradientStep(i, incoming, tuple(allocated), tuple(aliased), tuple(replaced), tuple(params), transient)
+        )
     return tuple(steps)
+
+
+def _output_slot(graph: ComputeGraph, i: int, j: int) -> int | None:
+    """The output of multi-output node ``j`` that node ``i`` selects (a getitem of it), if so."""
+    outputs = graph.nodes[j].outputs
+    if len(outputs) < 2 or not graph.nodes[i].grad_aliases_output or len(graph.nodes[i].outputs) != 1:
+        return None
+    (storage,) = graph.nodes[i].outputs
+    return storage if storage in outputs else None
+
+
+def _begin_backward(mem: _Memory, graph: ComputeGraph) -> None:
+    """What exists when backward starts, to its end: the loss scalar, and the seed, which
+    autograd's graph root holds for the whole backward (and each loss node as its gradient)."""
+    if graph.loss_scalar_bytes:
+        mem.hold(_LOSS_KEY, graph.loss_scalar_bytes, ("loss",))
+    mem.hold((-SEED, 0), graph.seed_bytes, ("root",))
+    for i in graph.loss_nodes:
+        mem.hold((-SEED, 0), graph.seed_bytes, ("grad", i))
 
 
 def _begin_gradients(mem: _Memory, graph: ComputeGraph, step: GradientStep) -> None:
     """Hold the gradients ``step`` creates (a gradient is held by each node it is owed to)."""
     for gid, size, j in step.allocated:
         mem.hold((-gid, 0), size, ("grad", j))
+    for j in step.replaced:
+        mem.release((-SEED, 0), ("grad", j))
     for j in step.aliased:
-        mem.hold((-step.incoming, 0), 0, ("grad", j))
+        for gid in step.incoming:
+            mem.hold((-gid, 0), 0, ("grad", j))
     for p in step.param_grads:
         mem.hold((p, -1), graph.storages[p].nbytes, ("param_grad",))
 
 
 def _end_gradients(mem: _Memory, step: GradientStep) -> None:
-    """The gradient ``step`` consumed dies with it, unless a view of it was handed on."""
-    if step.incoming is not None:
-        mem.release((-step.incoming, 0), ("grad", step.node))
+    """The gradients ``step`` consumed die with it, unless a view of them was handed on."""
+    for gid in step.incoming:
+        mem.release((-gid, 0), ("grad", step.node))
 
 
 @dataclass(frozen=True)
@@ -539,6 +592,7 @@ def gradient_bytes(graph: ComputeGraph) -> GradientBytes:
     before: dict[int, int] = {}
     during: dict[int, int] = {}
     steps = gradient_steps(graph)
+    _begin_backward(mem, graph)
     for step in steps:
         before[step.node] = mem.live_bytes
         _begin_gradients(mem, graph, step)

@@ -88,6 +88,8 @@ def profile(
         static=static,
         outputs=tuple(recording.outputs),
         loss_nodes=tuple(recording.loss_nodes),
+        loss_scalar_bytes=recording.loss_scalar_bytes,
+        seed_bytes=recording.seed_bytes,
         inputs=tuple(
             TensorSpec(shape=tuple(x.shape), dtype=str(x.dtype).removeprefix("torch."))
             for x in traced.flat_inputs

@@ -29,6 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ckptplan.errors import TraceError
 from ckptplan.graph import Node, Storage, StorageKind
 from ckptplan.profiler.cost import Roofline
+from ckptplan.profiler.loss import training_loss
 from ckptplan.profiler.trace import Autocast, Target, fake_copy, named_state
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class _AllocationMeter(TorchDispatchMode):
         self.saw_random = False
         self.cache_dtype: torch.dtype | None = None  # autocast's dtype, when its cache is on
         self.cached_casts: list[torch.Tensor] = []
+        self.made_by_last_save: frozenset[int] = frozenset()  # keys allocated when autograd last saved
 
     def start(self, *existing: Collection[int], watch: Iterable[torch.Tensor] = ()) -> None:
         """Measure from zero.
@@ -88,10 +90,16 @@ class _AllocationMeter(TorchDispatchMode):
         self.current_bytes = self.peak_bytes = 0
         self.saw_random = False
         self.cached_casts = []
+        self.made_by_last_save = frozenset()
         for t in watch:
             key = storage_key(t)
             if not self._is_known(key) and key not in self._live:
                 self._live[key] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+
+    def saving(self) -> None:
+        """Autograd is saving a tensor (a saved-tensor hook's pack): note what exists now."""
+        self._prune()
+        self.made_by_last_save = frozenset(self._live)
 
     def _is_known(self, key: int) -> bool:
         return any(key in keys for keys in self._known)
@@ -221,6 +229,8 @@ class Recording:
     storages: list[Storage] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
     loss_nodes: list[int] = field(default_factory=list)
+    loss_scalar_bytes: int = 0
+    seed_bytes: int = 0
     output_value: Any = None
 
 
@@ -346,11 +356,13 @@ def _interpret(recorder: _Recorder, fake_inputs: list[Any], loss_leaves_fn: Any)
     inputs = iter(fake_inputs)
     saved_log: list[torch.Tensor] = []
 
+    counter = _Meters(FlopCounterMode(display=False), _AllocationMeter())
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved_log.append(t)
+        counter.alloc.saving()
         return t
 
-    counter = _Meters(FlopCounterMode(display=False), _AllocationMeter())
     if recorder.autocast is not None and torch.is_autocast_cache_enabled():
         counter.alloc.cache_dtype = recorder.autocast.dtype
     with counter.flops, counter.alloc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -408,6 +420,7 @@ def _record_node(
     flops_before = counter.flops.get_total_flops()
     counter.alloc.start(recorder.storage_of.keys())
     out = _run(recorder, fx_node, args, kwargs)
+    made_keys = counter.alloc.made_by_last_save
     fwd_flops = counter.flops.get_total_flops() - flops_before
     casts = counter.alloc.cached_casts  # parameter casts autocast's cache holds past this op
     kept = {storage_key(t) for t in (*_tensors(out), *saved_log, *casts)}
@@ -427,6 +440,10 @@ def _record_node(
         s = recorder.add_storage(t, "hidden", producer=index)
         if s not in saved:
             saved.append(s)
+    made_by_last_save = sorted({
+        recorder.storage_of[storage_key(t)] for t in (*out_tensors, *saved_log, *casts)
+        if storage_key(t) in made_keys and rec.storages[recorder.storage_of[storage_key(t)]].producer == index
+    })
 
     input_nodes = [n for n in fx_node.all_input_nodes if n in recorder.node_index]
     inputs = tuple(dict.fromkeys(recorder.node_index[n] for n in input_nodes))
@@ -470,6 +487,7 @@ def _record_node(
         bwd_flops=int(bwd_flops),
         fwd_workspace_bytes=int(fwd_workspace),
         bwd_workspace_bytes=int(bwd_workspace),
+        made_by_last_save=tuple(made_by_last_save),
         bytes_moved=int(bytes_moved),
         fwd_cost=recorder.roofline.seconds(fwd_flops, bytes_moved),
         bwd_cost=recorder.roofline.seconds(bwd_flops, 2 * bytes_moved) if requires_grad else 0.0,
@@ -544,6 +562,12 @@ def _local_backward(
     try:
         local_args, local_kwargs = pytree.tree_map(detach, (args, kwargs))
         first_saved = len(saved_log)
+        if isinstance(fx_node.target, torch._ops.HigherOrderOperator):
+            # A higher-order op's body is a module, and the FLOP counter's module tracker hooks
+            # its inputs for backward, which autograd.grad refuses on leaves: give it views.
+            local_args, local_kwargs = pytree.tree_map(
+                lambda v: v.view_as(v) if any(v is leaf for leaf in leaves.values()) else v, (local_args, local_kwargs)
+            )
         local_out = [t for t in _tensors(_run(recorder, fx_node, local_args, local_kwargs)) if t.requires_grad]
         hidden = [t for t in saved_log[first_saved:] if storage_key(t) not in recorder.storage_of]
         del saved_log[first_saved:]
@@ -592,7 +616,14 @@ def _record_outputs(recorder: _Recorder, fx_node: torch.fx.Node, env: dict, loss
         if fx_out in recorder.node_index:
             for t in _tensors(env[fx_out]):
                 owners.setdefault(id(t), recorder.node_index[fx_out])
-    rec.loss_nodes = sorted({owners[id(t)] for t in loss_leaves_fn(value) if id(t) in owners})
+    leaves = loss_leaves_fn(value)
+    rec.loss_nodes = sorted({owners[id(t)] for t in leaves if id(t) in owners})
+    if rec.loss_nodes:
+        # The scalar a real step calls backward on, made as the step makes it (under autocast
+        # when the forward runs under it), for its dtype; a scalar loss is only reshaped (a view).
+        loss = training_loss(value)
+        rec.seed_bytes = loss.element_size()
+        rec.loss_scalar_bytes = 0 if len(leaves) == 1 and leaves[0].numel() == 1 else loss.element_size()
 
 
 def iter_compute_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:

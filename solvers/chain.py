@@ -198,7 +198,11 @@ def build_chain(graph: ComputeGraph, starts: list[int] | None = None) -> Chain:
         fields["fwd_stop_bytes"].append(_forward_peak(graph, start, end, outputs, keep_saved=True, stop=True))
         params = sum(graph.storages[p].nbytes for p, i in first_param_use.items() if start <= i < end)
         fields["param_grad_bytes"].append(params)
-        fields["bwd_extra_bytes"].append(_backward_extra(graph, start, end, hidden, first_param_use))
+        # The loss scalar and backward's seed are charged to every stage's backward: a few bytes
+        # more than ``simulate`` counts where the seed is already gone.
+        fields["bwd_extra_bytes"].append(
+            _backward_extra(graph, start, end, hidden, first_param_use) + graph.loss_scalar_bytes + graph.seed_bytes
+        )
         fields["cost"].append(sum(graph.nodes[i].fwd_cost for i in range(start, end)))
         fields["flops"].append(sum(graph.nodes[i].fwd_flops for i in range(start, end)))
     return Chain(

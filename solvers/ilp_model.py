@@ -65,7 +65,7 @@ from ortools.sat.python import cp_model
 
 from ckptplan.graph import ComputeGraph
 from ckptplan.sharding import unit_edges
-from ckptplan.simulation import gradient_bytes, later_inplace_writer
+from ckptplan.simulation import gradient_bytes, later_inplace_writer, made_at_early_stop
 
 COST_SCALE = 2.0**40  # integer cost units per second (synthetic test costs are exact multiples)
 DEFAULT_WINDOW = 128  # longest region, in nodes, the model considers on graphs longer than this
@@ -400,14 +400,14 @@ class _Builder:
             if p < 0:
                 continue
             fresh = self._keep_var(p).Not()
-            saved_by_p = p in self.savers.get(s, ())
+            made_at_stop = s in made_at_early_stop(g, p)  # exists when p's early stop fires
             first_saver = min((j for j in self.savers.get(s, ()) if j >= p), default=None)
             for t in range(p, min(n, p + W)):
                 reasons = []  # literal lists: all true => rc
                 if t == p:
-                    if saved_by_p:
+                    if made_at_stop:
                         reasons.append([fresh, self.rec[p], self.stopafter[p]])
-                    else:  # at the early stop, only what the op saves is allocated
+                    else:  # made after p's last save: only if p is not where the recompute stops
                         reasons.append([fresh, self.rec[p], self.next_stop[p]])
                 if first_saver is not None and t >= first_saver:
                     reasons.append([fresh, self.same(p, t), self.stopafter[t]])
