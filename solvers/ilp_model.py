@@ -310,7 +310,8 @@ class _Builder:
 
     # ------------------------------------------------------------------ events
     def last_forward_use(self) -> dict[int, int]:
-        """Step after which the plain forward drops each activation storage (n: a graph output)."""
+        """Step after which the plain forward drops each activation storage (n: held to the end of
+        forward, as graph outputs and autocast's parameter casts are)."""
         g, n = self.g, self.n
         last_node = {}
         for j in range(n):
@@ -321,6 +322,9 @@ class _Builder:
         last = {}
         for s in self.dynamic:
             storage = g.storages[s]
+            if storage.cached:  # autocast's cache holds a parameter cast to the end of forward
+                last[s] = n
+                continue
             aliases = self._alias_nodes.get(s, [])
             last[s] = max([last_node[a] for a in aliases if a >= storage.producer] + [storage.producer])
         return last
@@ -414,6 +418,9 @@ class _Builder:
                 for u in users_of.get(s, ()):
                     if t > p and t <= u < p + W:
                         reasons.append([fresh, self.same(p, u), self.stopafter[u]])
+                if storage.cached and t > p:
+                    # autocast's cache holds a parameter cast until the recompute ends
+                    reasons.append([fresh, self.same(p, t), self.stopafter[t]])
                 if not reasons:
                     continue
                 var = m.NewBoolVar(f"rc_{s}_{t}")
