@@ -103,7 +103,8 @@ class Node:
 
 @dataclass(frozen=True)
 class StaticMemory:
-    """Bytes resident for the whole step, plus the gradient bytes backward will allocate."""
+    """Bytes resident for the whole step, plus the gradient bytes backward will allocate.
+    ``bucket_bytes``: DDP's gradient buckets (``ckptplan.sharding``, ZeRO stage 0)."""
 
     param_bytes: int
     buffer_bytes: int
@@ -111,11 +112,12 @@ class StaticMemory:
     grad_bytes: int
     optimizer_bytes: int = 0
     optimizer: str | None = None
+    bucket_bytes: int = 0
 
     @property
     def resident_bytes(self) -> int:
-        """Held from before forward until after backward: state, optimizer state, inputs."""
-        return self.param_bytes + self.buffer_bytes + self.input_bytes + self.optimizer_bytes
+        """Held from before forward until after backward: state, optimizer state, inputs, buckets."""
+        return self.param_bytes + self.buffer_bytes + self.input_bytes + self.optimizer_bytes + self.bucket_bytes
 
 
 @dataclass(frozen=True)

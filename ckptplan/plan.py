@@ -75,10 +75,11 @@ class InputInfo(_Frozen):
 
 class ShardingInfo(_Frozen):
     """The data-parallel sharding the plan was made for (``ckptplan.sharding``): the budget and
-    the prediction are one rank's. ``units``: module paths sharded one by one (FSDP units)."""
+    the prediction are one rank's. ``stage``: ZeRO stage, 0 for DDP. ``units``: module paths
+    sharded one by one (FSDP units)."""
 
     degree: int = Field(ge=1)
-    stage: int = Field(ge=1, le=3)
+    stage: int = Field(ge=0, le=3)
     master_dtype: str | None = None
     units: tuple[str, ...] = ()
 

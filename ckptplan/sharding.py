@@ -1,4 +1,4 @@
-"""Per-rank memory under data-parallel sharding (ZeRO / FSDP2), as a transformed graph.
+"""Per-rank memory under data parallelism (DDP, ZeRO / FSDP2), as a transformed graph.
 
 With sharding, a rank's peak is no longer the model's: parameters, gradients and optimizer state
 are split ``degree`` ways, and the parameters of the unit being run are gathered whole for a
@@ -25,6 +25,14 @@ fp32 masters of a bf16 model, FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``
 * stage 2 (no units): each node's backward also holds its parameters' unsharded gradients until
   they are reduce-scattered.
 
+Stage 0 is plain ``DistributedDataParallel``: nothing is sharded, and each rank also holds DDP's
+gradient buckets, one flat buffer per bucket covering every parameter that requires grad, made
+when DDP wraps the model (``Reducer::initialize_buckets``; DDP's documentation of
+``gradient_as_bucket_view``: the memory it saves "will be equal to the total gradients size").
+That is DDP's default, which the model assumes; with ``gradient_as_bucket_view=True`` the
+gradients are views into the buckets instead, and the plan overstates the peak by up to that much.
+``tests/test_sharding.py`` checks the term against the bucket sizes DDP reports on 2 ranks.
+
 Units are the modules FSDP wraps one by one (``fully_shard`` per transformer block): by default the
 graph's repeated blocks (``ckptplan.repeats``); everything else is the root unit.
 """
@@ -47,7 +55,8 @@ if TYPE_CHECKING:
 class ShardSpec:
     """How the training state is split across the ranks of one data-parallel group.
 
-    ``degree``: ranks sharing it. ``stage``: ZeRO stage (1, 2 or 3; FSDP2 ``fully_shard`` is 3).
+    ``degree``: ranks sharing it. ``stage``: ZeRO stage (1, 2 or 3; FSDP2 ``fully_shard`` is 3), or
+    0 for DDP (replicated state plus gradient buckets).
     ``master_dtype``: the dtype sharded parameters, their gradients and the optimizer state are
     kept in, when the model (as profiled) computes in a lower one (FSDP2 mixed precision); None:
     the model's own. ``units``: module paths wrapped as units (default: the repeated blocks).
@@ -61,8 +70,8 @@ class ShardSpec:
     def __post_init__(self) -> None:
         if self.degree < 1:
             raise CkptPlanError(f"The shard degree must be at least 1, got {self.degree}.")
-        if self.stage not in (1, 2, 3):
-            raise CkptPlanError(f"The ZeRO stage must be 1, 2 or 3, got {self.stage}.")
+        if self.stage not in (0, 1, 2, 3):
+            raise CkptPlanError(f"The ZeRO stage must be 0 (DDP), 1, 2 or 3, got {self.stage}.")
         if self.master_dtype is not None and self.stage != 3:
             raise CkptPlanError("A master dtype needs stage 3 (FSDP2 mixed precision); drop it or use stage 3.")
 
@@ -93,6 +102,9 @@ def shard_graph(graph: ComputeGraph, layout: ShardLayout) -> ComputeGraph:
     keeps the unsharded graph's fingerprint: plans apply to the model either way."""
     spec, n, s = layout.spec, layout.spec.degree, layout.master_scale
     static = graph.static
+    if spec.stage == 0:
+        buckets = sum(st.nbytes for st in graph.storages if st.kind == "param" and st.trainable)
+        return replace(graph, static=replace(static, bucket_bytes=buckets), sharding=layout, unsharded_static=static)
 
     def shard(nbytes: int) -> int:
         return math.ceil(nbytes * s / n)

@@ -86,7 +86,7 @@ ShardDegreeOpt = Annotated[
 ]
 ZeroStageOpt = Annotated[
     int,
-    typer.Option("--zero-stage", min=1, max=3, help="With --shard-degree: 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP2)."),
+    typer.Option("--zero-stage", min=0, max=3, help="With --shard-degree: 0 is DDP (nothing sharded; its gradient buckets counted), 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP2)."),
 ]
 MasterDtypeOpt = Annotated[
     str | None,

@@ -158,6 +158,8 @@ def _per_rank(plan: Plan) -> str:
     sharding = plan.model.sharding
     if sharding is None:
         return ""
+    if sharding.stage == 0:
+        return f" per rank (DDP over {sharding.degree} ranks, gradient buckets included)"
     master = f", {sharding.master_dtype} masters" if sharding.master_dtype else ""
     return f" per rank (ZeRO-{sharding.stage} over {sharding.degree} ranks{master}, {len(sharding.units)} units)"
 

@@ -17,6 +17,8 @@ def shard_layout(model: nn.Module, graph: ComputeGraph, spec: ShardSpec) -> Shar
     """Units in execution order (``spec.units``, default the graph's repeated blocks), the bytes of
     the parameters each owns (a parameter shared by several counts in the first), the root's
     remaining bytes, and the master copy's bytes per model byte."""
+    if spec.stage == 0:  # DDP: no units, nothing sharded
+        return ShardLayout(spec, (), 0)
     paths = list(spec.units) if spec.units is not None else [b.path for b in find_blocks(graph)[0]]
     counted: set[int] = set()
     units = []

@@ -32,10 +32,26 @@ def stack() -> tuple[nn.Sequential, torch.Tensor]:
 def test_spec_rejects_what_it_cannot_model() -> None:
     with pytest.raises(CkptPlanError, match="at least 1"):
         ckptplan.ShardSpec(0)
-    with pytest.raises(CkptPlanError, match="1, 2 or 3"):
+    with pytest.raises(CkptPlanError, match="0 \\(DDP\\), 1, 2 or 3"):
         ckptplan.ShardSpec(8, stage=4)
     with pytest.raises(CkptPlanError, match="stage 3"):
         ckptplan.ShardSpec(8, stage=1, master_dtype="float32")
+
+
+def test_ddp_adds_its_gradient_buckets_and_shards_nothing() -> None:
+    """ZeRO stage 0, plain DDP: each rank holds the whole state plus buckets as large as the
+    trainable parameters (checked against DDP's own report in the two-rank test below)."""
+    model, x = stack()
+    model[0][0].requires_grad_(False)
+    whole = ckptplan.profile(model, (x,), optimizer="adamw")
+    ddp = ckptplan.profile(model, (x,), optimizer="adamw", shard=ckptplan.ShardSpec(4, stage=0))
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert ddp.static.bucket_bytes == trainable and whole.static.bucket_bytes == 0
+    assert ddp.static.resident_bytes == whole.static.resident_bytes + trainable
+    assert ddp.baseline_peak_bytes == whole.baseline_peak_bytes + trainable
+    plan = ckptplan.solve(ddp, 0.95, solver="dp")
+    assert ckptplan.Plan.from_json(plan.to_json()).model.sharding.stage == 0
+    assert plan.model.fingerprint == ckptplan.make_plan(whole, []).model.fingerprint
 
 
 def test_static_terms_are_divided_by_the_degree() -> None:
@@ -222,7 +238,7 @@ def _ddp_rank(rank: int, world: int, port: int, out: dict) -> None:
 
         model, x = stack()
         shard = x.chunk(world)[rank]  # each rank its own slice of the batch
-        graph = ckptplan.profile(model, (shard,))
+        graph = ckptplan.profile(model, (shard,), shard=ckptplan.ShardSpec(world, stage=0))
         # Blocks 2-4 in one region holding two nested ones, the first block's second Linear kept.
         plan = ckptplan.make_plan(graph, [
             ckptplan.Region(0, 4, keep=(graph.nodes[2].name,)),
@@ -230,7 +246,14 @@ def _ddp_rank(rank: int, world: int, port: int, out: dict) -> None:
         ])
         emitted = DistributedDataParallel(ckptplan.emit(graph, plan))
         training_loss(emitted(shard)).backward()
-        out[rank] = ([p.grad.clone() for p in model.parameters()], len(plan.regions))
+        grads = [p.grad.clone() for p in model.parameters()]
+        # DDP rebuilds its buckets in the second step's forward; from the third on they exist
+        # before the step. MemTracker counts each from the reducer's first write into it (a
+        # ``mul.out`` of a gradient scaled by 1/world) on: here before the step's peak.
+        training_loss(emitted(shard)).backward()
+        buckets = sum(int(b) for b in emitted._get_ddp_logging_data()["bucket_sizes"].split(", "))
+        measured = ckptplan.measure_step(emitted, (shard,)).peak_bytes
+        out[rank] = (grads, len(plan.regions), graph.static.bucket_bytes, buckets, plan.prediction.peak_bytes, measured)
     finally:
         dist.destroy_process_group()
 
@@ -239,7 +262,8 @@ def _ddp_rank(rank: int, world: int, port: int, out: dict) -> None:
 def test_emitted_module_trains_under_ddp_with_the_averaged_gradients() -> None:
     """DDP around an emitted module (a keep-set region and nested regions): each rank's
     gradients after the all-reduce equal the average of the single-process gradients of the
-    two slices of the batch."""
+    two slices of the batch. A plan made for DDP (ZeRO stage 0) counts DDP's gradient buckets
+    as DDP itself reports them, and the rank's measured peak is within 3% of the prediction."""
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_ddp_rank, args=(2, _free_port(), results), nprocs=2)
@@ -254,7 +278,9 @@ def test_emitted_module_trains_under_ddp_with_the_averaged_gradients() -> None:
         grads = [p.grad for p in reference.parameters()]
         expected = grads if expected is None else [(a + b) / 2 for a, b in zip(expected, grads)]
     for rank in (0, 1):
-        grads, regions = results[rank]
+        grads, regions, bucket_bytes, reported, predicted, measured = results[rank]
         assert regions > 0
         for got, want in zip(grads, expected):
             torch.testing.assert_close(got, want)
+        assert bucket_bytes == reported == sum(p.numel() * p.element_size() for p in model.parameters())
+        assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
