@@ -134,6 +134,7 @@ ZOO = {
         {"targets": torch.randint(0, 64, (8, 64)), "temperature": 0.5},
     ),
     "scoped_blocks": lambda: (models.ScopedBlocks(width=256), (torch.randn(512, 256),), {}),
+    "unet": lambda: (*load_example("unet").build(batch=1, size=64), {}),
     **{name: functools.partial(_transformers_case, name) for name in ("gpt2", "bert", "llama", "vit")},
 }
 
