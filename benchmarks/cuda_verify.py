@@ -21,7 +21,6 @@ Needs a CUDA device; without one it says so and exits 1 (the test suite never ru
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import platform
 import sys
@@ -31,39 +30,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import accuracy  # this folder's zoo (a script's own folder is on sys.path)
 import torch
 
 import ckptplan
 from ckptplan.units import format_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("cuda_verify")
-
-
-def _load(relative: str) -> Any:
-    path = ROOT / relative
-    name = f"cuda_verify_{path.parent.name}_{path.stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def _korthikanti() -> Any:
     """Four of Korthikanti et al.'s GPT layers (explicit softmax attention, dropout) at width 2048,
     16 heads, 2 × 1024 tokens, parameters in bf16: the paper's setting at a size one GPU trains."""
-    model, args = _load("examples/korthikanti_gpt.py").build(
+    model, args = accuracy._load("examples/korthikanti_gpt.py").build(
         layers=4, hidden=2048, heads=16, seq=1024, batch=2, device="cpu", vocab=8192
     )
-    return _load("benchmarks/compare.py").Workload(model, tuple(args))
+    return accuracy.Workload(model, tuple(args))
 
 
 def cases() -> dict[str, tuple[Callable[[], Any], str | None]]:
     """name -> (build, autocast dtype name or None)."""
-    accuracy = _load("benchmarks/accuracy.py")
     example = accuracy._example
     table: dict[str, tuple[Callable[[], Any], str | None]] = {
         "gpt": (lambda: example("gpt"), None),
