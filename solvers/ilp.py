@@ -28,6 +28,7 @@ from ckptplan.simulation import simulate
 from ckptplan.solvers import blocks
 from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, build_model
 from ckptplan.solvers.registry import get_solver, register
+from ckptplan.solvers.sqrt import least_peak_regions
 from ckptplan.units import describe_bytes
 
 log = logging.getLogger(__name__)
@@ -356,16 +357,18 @@ def least_peak(
     window: int | None,
 ) -> tuple[int, bool]:
     """(peak, proven): the least peak one-level plans with keep-sets reach when ``proven``, else
-    the least the search found in its time (a plan reaching it exists either way)."""
+    the least the search found in its time (a plan reaching it exists either way). The search
+    starts from ``sqrt``'s least-peak plan, so a short one still reports at least that."""
+    start, start_peak = least_peak_regions(graph)
     model, v = build_model(graph, None, window=window)
     model.Minimize(v.peak)
-    _hint_complete(model, graph, v, ())  # start from no checkpointing, so there is always a plan
+    _hint_complete(model, graph, v, start)
     solver = cp_model.CpSolver()
     _configure(solver, wall_seconds=time_limit, deterministic_seconds=deterministic_seconds, workers=workers, seed=seed)
     code = solve_keeping_sigint(solver, model)
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return int(solver.Value(v.peak)), code == cp_model.OPTIMAL
-    return graph.baseline_peak_bytes, False
+        return min(int(solver.Value(v.peak)), start_peak), code == cp_model.OPTIMAL
+    return start_peak, False
 
 
 def _warm_plans(

@@ -106,6 +106,14 @@ def solve_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     )
 
 
+def least_peak_regions(graph: ComputeGraph) -> tuple[tuple[Region, ...], int]:
+    """The candidate with the least simulated peak, and that peak: a one-level plan that
+    searches for the least peak start from (no checkpointing when nothing beats it)."""
+    scored = [(simulate(graph, regions).peak_bytes, k, regions) for k, regions in enumerate(_candidates(graph))]
+    peak, _, regions = min(scored)
+    return regions, peak
+
+
 def _candidates(graph: ComputeGraph) -> list[tuple[Region, ...]]:
     """Distinct region sets to score: no checkpointing, then every (threshold, cut set) pair,
     with and without a region on the last segment."""

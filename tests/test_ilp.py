@@ -15,8 +15,8 @@ from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.simulation import simulate
 from ckptplan.solvers.dp import solve_dp
-from ckptplan.solvers.ilp import build_model, model_peak, solve_ilp
-from ckptplan.solvers.sqrt import solve_sqrt
+from ckptplan.solvers.ilp import build_model, least_peak, model_peak, solve_ilp
+from ckptplan.solvers.sqrt import least_peak_regions, solve_sqrt
 from tests import models
 from tests.conftest import assert_same_gradients, load_example
 from tests.plan_spaces import one_level_plans, random_plan
@@ -68,6 +68,16 @@ def test_model_peak_equals_the_simulated_peak_under_autocast(target: str) -> Non
     for _ in range(40):
         plan = random_plan(graph, rng)
         assert model_peak(graph, plan) == simulate(graph, plan).peak_bytes, plan
+
+
+def test_a_stopped_least_peak_search_still_names_sqrt_s_least() -> None:
+    """The least peak an infeasible-budget error names: a search stopped at once still reports
+    the least of ``sqrt``'s plans (where it starts), not the no-checkpoint peak."""
+    model, args = load_example("gpt").build(batch=2, seq=64)
+    graph = ckptplan.profile(model, args)
+    _, sqrt_least = least_peak_regions(graph)
+    peak, _ = least_peak(graph, time_limit=1.0, deterministic_seconds=0.001, workers=1, seed=0, window=None)
+    assert peak <= sqrt_least < graph.baseline_peak_bytes
 
 
 def test_variables_are_named_and_the_window_bounds_regions() -> None:
