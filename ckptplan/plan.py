@@ -16,6 +16,9 @@ from ckptplan.errors import PlanFormatError
 from ckptplan.timeline import Timeline
 
 SCHEMA_VERSION = "ckptplan.plan/v1"
+# Deeper nesting than any solver makes (dp nests about log2(n) levels) is refused before
+# validation, which recurses once per level.
+MAX_REGION_DEPTH = 64
 SolverStatus = Literal["optimal", "feasible", "infeasible", "timeout"]
 Decision = Literal["store", "recompute", "keep"]
 
@@ -189,10 +192,10 @@ class Plan(_Frozen):
             raise PlanFormatError(
                 f"Not a ckptplan plan: schema_version is {version!r}, expected {SCHEMA_VERSION!r}."
             )
+        if _region_depth(raw.get("regions")) > MAX_REGION_DEPTH:
+            raise PlanFormatError(f"Plan regions are nested more than {MAX_REGION_DEPTH} levels deep, which no plan needs.")
         try:
             return cls.model_validate(raw)
-        except RecursionError:
-            raise PlanFormatError("Plan regions are nested too deeply to be a plan.") from None
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "plan"
@@ -200,6 +203,18 @@ class Plan(_Frozen):
 
     def all_regions(self) -> list[Region]:
         return [r for top in self.regions for r in top.walk()]
+
+
+def _region_depth(regions: Any) -> int:
+    """How deeply raw (unvalidated) region lists nest through ``children``, found without recursion."""
+    deepest, stack = 0, [(regions, 1)]
+    while stack:
+        items, depth = stack.pop()
+        if not isinstance(items, list):
+            continue
+        deepest = max(deepest, depth if items else depth - 1)
+        stack.extend((item.get("children"), depth + 1) for item in items if isinstance(item, dict))
+    return deepest
 
 
 def load_plan(path: str | Path) -> Plan:
