@@ -583,6 +583,13 @@ def _ckptplan_points(
     return points
 
 
+@functools.cache
+def host_roofline() -> ckptplan.profiler.Roofline:
+    """This machine's cost model (the CLI's ``--costs here``), measured once per run: the plans
+    run here, so they are priced here."""
+    return ckptplan.measure_roofline()
+
+
 def run_model(case: Case, settings: Settings) -> ModelResult:
     """Every method on one model, in one process, against the no-checkpoint run."""
     started = time.perf_counter()
@@ -596,7 +603,7 @@ def run_model(case: Case, settings: Settings) -> ModelResult:
     points += _peer_points(case, work, ref_grads, settings)
 
     log.info("  ckptplan: profiling")
-    graph = ckptplan.profile(work.model, work.args, work.kwargs)
+    graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=host_roofline(), measure_times=True)
     peer_peaks = [(p.metrics.peak_bytes, f"{p.method}: {p.setting}") for p in points[1:] if p.metrics is not None]
     clusters = _cluster_budgets(peer_peaks)
     budgets = [(peak, "= " + _short_labels(labels)) for peak, labels in clusters][: settings.peer_budgets]
@@ -722,7 +729,7 @@ def _describe(point: Point, result: ModelResult) -> str:
 
 def _auto_vs_dp(result: ModelResult) -> tuple[int, int]:
     """At budgets where auto's plan differs from dp's: how many, and at how many dp's measured
-    faster by more than ``TIME_NOISE`` (auto ranks plans by ckptplan's roofline cost estimate)."""
+    faster by more than ``TIME_NOISE`` (auto ranks plans by ckptplan's cost estimate)."""
     by_budget: dict[int, dict[str, Point]] = {}
     for p in _measured(result.points, "ckptplan"):
         by_budget.setdefault(p.budget_bytes, {})[p.solver] = p
@@ -895,7 +902,9 @@ def _method_paragraphs(settings: Settings, seconds: float, threads: int) -> list
         f"merged, the least of them used) plus one lower budget: {LOW_BUDGET_FACTOR:g}× the least peer peak, or the "
         "least peak `sqrt`/`dp` report if that is higher. \"infeasible, least X\" quotes the solver's "
         "`InfeasibleBudgetError`, unchecked. Identical ckptplan plans and identical torch.compile partitions are "
-        "measured once."
+        "measured once. ckptplan prices plans as the CLI's `--costs here` does (`measure_times=True`, "
+        "`roofline=ckptplan.measure_roofline()`): each op by its measured time on this CPU, plus the measured fixed "
+        "cost of each checkpoint region and of each op under a selective policy, since that is where the plans run."
     )
     machine = (
         f"Machine: {machine_line(threads)}. Full run: {seconds / 60:.1f} min. `ilp`/`auto` time limit "

@@ -42,6 +42,7 @@ _LAZY = {
     "measure_step": "ckptplan.planner",
     "verify": "ckptplan.planner",
     "save_plan": "ckptplan.planner",
+    "measure_roofline": "ckptplan.planner",
 }
 
 __all__ = [

@@ -52,7 +52,8 @@ def make_plan(
         activation_bytes=graph.activation_bytes,
         recompute_flops=report.recompute_flops,
         recompute_seconds=report.recompute_seconds,
-        overhead=report.recompute_seconds / step_cost if step_cost > 0 else 0.0,
+        checkpoint_seconds=report.checkpoint_seconds,
+        overhead=report.cost_seconds / step_cost if step_cost > 0 else 0.0,
         timeline=timeline_of(report.timeline),
     )
     return Plan(

@@ -150,6 +150,10 @@ class ComputeGraph:
     # from the end of forward to the end of the step; and backward's seed, ``ones_like(loss)``.
     loss_scalar_bytes: int = 0
     seed_bytes: int = 0
+    # Seconds checkpointing's machinery adds to a step (``profiler.cost.Roofline``): per region,
+    # and per op of a region with a keep-set (once in forward, once in the recompute).
+    region_cost: float = 0.0
+    policy_op_cost: float = 0.0
     # The dtype name ("bfloat16", "float16") when the step's forward runs under torch.autocast:
     # the graph's bytes are then those of that step, and the fingerprint tells it apart.
     autocast: str | None = None

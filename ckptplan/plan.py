@@ -116,7 +116,9 @@ class SolverInfo(_Frozen):
 
 
 class Prediction(_Frozen):
-    """What ``planner.simulate`` says of the plan. ``overhead`` = recompute cost / step cost.
+    """What ``planner.simulate`` says of the plan. ``checkpoint_seconds``: what the regions'
+    machinery adds besides recomputation (0 under the default A100 cost model, and in plans
+    written before it existed); ``overhead`` = (recompute + checkpoint seconds) / step cost.
 
     ``timeline``: the step's live bytes, downsampled (``ckptplan.timeline``); plans written
     before it existed have none."""
@@ -126,8 +128,14 @@ class Prediction(_Frozen):
     activation_bytes: int = Field(ge=0)
     recompute_flops: int = Field(ge=0)
     recompute_seconds: float = Field(ge=0.0)
+    checkpoint_seconds: float = Field(default=0.0, ge=0.0)
     overhead: float = Field(ge=0.0)
     timeline: Timeline | None = None
+
+    @property
+    def cost_seconds(self) -> float:
+        """What the plan adds to a step, the quantity solvers minimise."""
+        return self.recompute_seconds + self.checkpoint_seconds
 
 
 class NodeDecision(_Frozen):

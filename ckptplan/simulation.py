@@ -40,6 +40,7 @@ state) included.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -72,8 +73,16 @@ class Report:
     recompute_flops: int
     recompute_seconds: float
     recomputed: tuple[int, ...]
+    # ``checkpoint_cost_seconds(graph, regions)``: the machinery's own time, beside the recompute.
+    checkpoint_seconds: float
     timeline: tuple[Event, ...]
     baseline_resident_bytes: int
+
+    @property
+    def cost_seconds(self) -> float:
+        """What the plan adds to a step: recompute plus checkpointing's machinery. Solvers
+        minimise this."""
+        return self.recompute_seconds + self.checkpoint_seconds
 
 
 @dataclass
@@ -449,6 +458,7 @@ class _Simulator:
             recompute_flops=recompute_flops,
             recompute_seconds=recompute_seconds,
             recomputed=tuple(self.recomputed_nodes),
+            checkpoint_seconds=checkpoint_cost_seconds(g, [info.region for info in self.all_regions]),
             timeline=tuple(mem.timeline),
             baseline_resident_bytes=g.static.resident_bytes,
         )
@@ -599,6 +609,18 @@ def gradient_bytes(graph: ComputeGraph) -> GradientBytes:
         during[step.node] = mem.live_bytes + step.transient_bytes + graph.nodes[step.node].bwd_workspace_bytes
         _end_gradients(mem, step)
     return GradientBytes(before=before, during=during, runs=tuple(step.node for step in steps))
+
+
+def checkpoint_cost_seconds(graph: ComputeGraph, regions: Sequence[Region]) -> float:
+    """Seconds ``regions`` (every level, nested ones included) add to a step besides
+    recomputation: ``graph.region_cost`` each, and ``graph.policy_op_cost`` twice (forward and
+    recompute) for each node of a region with a keep-set."""
+    seconds = 0.0
+    for region in regions:
+        seconds += graph.region_cost
+        if region.keep:
+            seconds += 2 * graph.policy_op_cost * (region.end - region.start)
+    return seconds
 
 
 def simulate(graph: ComputeGraph, plan: Plan | tuple[Region, ...] | list[Region] = ()) -> Report:

@@ -12,7 +12,7 @@ import json
 import logging
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.logging import RichHandler
@@ -114,6 +114,18 @@ AutocastOpt = Annotated[
         help="Plan a mixed-precision step: forward and loss under torch.autocast with this dtype, backward outside it.",
     ),
 ]
+class Costs(str, Enum):
+    a100 = "a100"
+    here = "here"
+
+
+CostsOpt = Annotated[
+    Costs,
+    typer.Option(
+        "--costs", case_sensitive=False,
+        help="What prices recomputation: an A100's datasheet (roofline), or this machine (op times measured on the model's real tensors, and the fixed costs of checkpoint regions; a few seconds more).",
+    ),
+]
 TargetOpt = Annotated[
     Device | None,
     typer.Option(
@@ -162,6 +174,7 @@ def solve(
     master_dtype: MasterDtypeOpt = None,
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
+    costs: CostsOpt = Costs.a100,
     time_limit: Annotated[
         float | None,
         typer.Option(min=0.0, metavar="SECONDS", help="Stop the solver after this long.", show_default=False),
@@ -175,7 +188,7 @@ def solve(
         check_plan_target(out, overwrite=force)
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
         log.info("profiling %s", loaded.source)
-        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target)
+        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs)
     log.info("solving %s (%d nodes) with %s", graph.name, len(graph.nodes), solver)
     with _progress(f"solving {graph.name} ({len(graph.nodes)} nodes) with {solver}"):
         plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit)
@@ -202,11 +215,12 @@ def profile(
     master_dtype: MasterDtypeOpt = None,
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
+    costs: CostsOpt = Costs.a100,
 ) -> None:
     """Show where one training step's memory and FLOPs go, per module and per op."""
     with load_model(model) as loaded:
         log.info("profiling %s", loaded.source)
-        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target)
+        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs)
     summary = summarize(graph)
     if json_output:
         _write_stdout(json.dumps(summary.to_dict(), indent=2) + "\n")
@@ -278,6 +292,7 @@ def sweep(
     master_dtype: MasterDtypeOpt = None,
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
+    costs: CostsOpt = Costs.a100,
 ) -> None:
     """Solve at several budgets and show the memory/recompute trade-off."""
     get_solver(solver)
@@ -290,7 +305,7 @@ def sweep(
         check_plotting()
         check_plan_target(plot, overwrite=True)
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
-        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target)
+        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs)
     with _progress(f"solving {graph.name} at {len(requested)} budgets"):
         points = run_sweep(graph, requested, solver=solver)
     if plot is not None:
@@ -336,10 +351,13 @@ def _profile(
     master_dtype: str | None,
     autocast: str | None,
     target: Device | None,
+    costs: Costs = Costs.a100,
 ) -> ComputeGraph:
     """Profile the loaded model as the options (or, where they are silent, its file's
     ``TRAINING`` defaults, which the loader has checked) describe its training step."""
     import torch  # here, not at the top: `show` and `schema` never need torch
+
+    from ckptplan.profiler.cost import A100
 
     optimizer_name = optimizer.value if optimizer is not None else loaded.training.get("optimizer")
     master_dtype = master_dtype or loaded.training.get("master_dtype")
@@ -348,10 +366,23 @@ def _profile(
     shard = None
     if shard_degree is not None:
         shard = ShardSpec(shard_degree, stage=zero_stage, master_dtype=master_dtype if zero_stage == 3 else None)
+    roofline = A100
+    if costs == Costs.here:
+        device = _model_device(loaded.model)
+        if device == "meta":
+            raise ckptplan.CkptPlanError("--costs here times the model's ops, but its tensors are on the meta device; use --costs a100.")
+        roofline = ckptplan.measure_roofline(device)
     return ckptplan.profile(
         loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=optimizer_name, shard=shard,
         autocast=getattr(torch, autocast) if autocast is not None else None, target=target_name,
+        roofline=roofline, measure_times=costs == Costs.here,
     )
+
+
+def _model_device(model: Any) -> str:
+    """Where ``model``'s first parameter lives (cpu for a model without any)."""
+    first = next(iter(model.parameters()), None)
+    return "cpu" if first is None else str(first.device)
 
 
 def _write_stdout(text: str) -> None:

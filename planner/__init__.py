@@ -2,7 +2,8 @@
 
 ``simulate`` (the referee: memory and recompute of any plan), ``make_plan`` (a plan from
 regions), ``emit`` (the FX rewrite that runs a plan), ``checkpoint`` / ``apply`` (one-call use),
-``measure_step`` (a real step's peak with MemTracker), ``verify`` (a plan against real steps),
+``measure_step`` (a real step's peak with MemTracker), ``measure_roofline`` (this machine's
+cost model), ``verify`` (a plan against real steps),
 and plan I/O.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from ckptplan.build import make_plan
 from ckptplan.plan import Plan, load_plan
 from ckptplan.planner.api import apply, checkpoint
+from ckptplan.planner.calibrate import measure_roofline
 from ckptplan.planner.emit import CheckpointedModule, emit
 from ckptplan.planner.io import save_plan
 from ckptplan.planner.measure import Measurement, measure_step
@@ -29,6 +31,7 @@ __all__ = [
     "emit",
     "load_plan",
     "make_plan",
+    "measure_roofline",
     "measure_step",
     "save_plan",
     "simulate",

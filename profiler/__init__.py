@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,11 +18,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ckptplan.errors import CkptPlanError
-from ckptplan.graph import ComputeGraph, TensorSpec
+from ckptplan.graph import ComputeGraph, Node, TensorSpec
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.loss import loss_leaves, training_loss
 from ckptplan.profiler.record import record_graph
 from ckptplan.profiler.shard import shard_layout
+from ckptplan.profiler.timing import measure_op_seconds
 from ckptplan.profiler.static import static_memory
 from ckptplan.profiler.trace import Autocast, Target, TraceMode, model_device_type, trace_model
 from ckptplan.sharding import ShardSpec, shard_graph
@@ -42,6 +44,7 @@ def profile(
     shard: ShardSpec | None = None,
     autocast: torch.dtype | None = None,
     target: Target | None = None,
+    measure_times: bool = False,
 ) -> ComputeGraph:
     """Trace ``model(*args, **kwargs)`` for one training step and annotate it for planning.
 
@@ -64,6 +67,11 @@ def profile(
     before targets existed. Give ``target="cuda"`` to plan a meta model for GPUs. Only dropout's
     kernels follow the target; other ops (attention backends, and on a meta model autocast's
     casting rules) are those of the device the model's tensors are faked on.
+    ``roofline``: the cost model that prices recomputation (default: an A100's datasheet;
+    ``ckptplan.measure_roofline()`` measures this machine's, with the fixed costs of regions
+    and selective policies). ``measure_times``: also run the model's forward a few times on its
+    real tensors and price each op by its measured time (backward scaled by the roofline's
+    backward-to-forward ratio): for plans that will run on the machine profiling them.
     """
     autocast_name = _autocast_name(autocast)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
@@ -81,15 +89,20 @@ def profile(
         traced.gm, traced.flat_inputs, roofline, loss_leaves, spec, target=None if target == own_kernels else target
     )
     static = static_memory(recording.storages, optimizer)
+    nodes = tuple(recording.nodes)
+    if measure_times:
+        nodes = _with_measured_times(nodes, measure_op_seconds(model, traced.gm, traced.flat_inputs, spec))
     graph = ComputeGraph(
         name=type(model).__name__,
-        nodes=tuple(recording.nodes),
+        nodes=nodes,
         storages=tuple(recording.storages),
         static=static,
         outputs=tuple(recording.outputs),
         loss_nodes=tuple(recording.loss_nodes),
         loss_scalar_bytes=recording.loss_scalar_bytes,
         seed_bytes=recording.seed_bytes,
+        region_cost=roofline.region_seconds,
+        policy_op_cost=roofline.policy_op_seconds,
         inputs=tuple(
             TensorSpec(shape=tuple(x.shape), dtype=str(x.dtype).removeprefix("torch."))
             for x in traced.flat_inputs
@@ -108,6 +121,21 @@ def profile(
         graph.name, len(graph.nodes), traced_seconds, time.perf_counter() - started,
     )
     return graph
+
+
+def _with_measured_times(nodes: tuple[Node, ...], seconds: dict[str, float]) -> tuple[Node, ...]:
+    """``nodes`` priced by their measured forward ``seconds``; backward keeps the roofline's
+    ratio to forward. Nodes the timing run did not see keep their roofline costs."""
+    priced = []
+    for node in nodes:
+        measured = seconds.get(node.name)
+        if measured is None:
+            priced.append(node)
+            continue
+        ratio = node.bwd_cost / node.fwd_cost if node.fwd_cost > 0 else 0.0
+        priced.append(replace(node, fwd_cost=measured, bwd_cost=ratio * measured))
+    log.info("measured times of %d of %d ops", len(priced) - sum(n.name not in seconds for n in nodes), len(nodes))
+    return tuple(priced)
 
 
 # The dtypes torch.autocast lowers to on CPU and CUDA; any other makes it disable itself.

@@ -1,6 +1,8 @@
-"""Roofline time estimates for ops, so pointwise ops that FLOP counters ignore still cost time.
+"""Time estimates for ops and for checkpointing's own machinery, so pointwise ops that FLOP
+counters ignore still cost time, and so do the regions and selective policies a plan adds.
 
-time = max(flops / peak_flops, bytes_moved / bandwidth)   (Williams et al. 2009, "Roofline").
+An op's time is ``op_seconds + max(flops / peak_flops, bytes_moved / bandwidth)``: the roofline
+(Williams et al. 2009, "Roofline") plus a fixed launch/dispatch cost per op.
 """
 
 from __future__ import annotations
@@ -10,14 +12,30 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Roofline:
-    """Device throughput. Defaults: NVIDIA A100 80GB SXM datasheet, dense BF16 tensor-core peak
-    312 TFLOP/s and 2.039 TB/s HBM2e bandwidth."""
+    """A device's throughput and the fixed costs a plan pays per op and per checkpoint.
+
+    Defaults: NVIDIA A100 80GB SXM datasheet, dense BF16 tensor-core peak 312 TFLOP/s and
+    2.039 TB/s HBM2e bandwidth; no fixed costs, since on a GPU the host's dispatch and
+    checkpoint bookkeeping run ahead of the kernels and hide behind them on models large
+    enough to need checkpointing. ``ckptplan.measure_roofline()`` measures all five numbers on
+    the host it runs on, where they do not hide (on CPU a region cost about 0.1 ms here).
+
+    ``op_seconds``: fixed cost of running one graph op (dispatch, kernel launch).
+    ``region_seconds``: what one checkpoint region adds to a step besides its recompute
+    (checkpoint's frame and saved-tensor hooks, saving and restoring the RNG state, starting
+    the recompute in backward).
+    ``policy_op_seconds``: what each op of a region with a keep-set adds, once in forward and
+    once in the recompute: the selective policy sees every op it dispatches.
+    """
 
     peak_flops_per_s: float = 312e12
     bandwidth_bytes_per_s: float = 2.039e12
+    op_seconds: float = 0.0
+    region_seconds: float = 0.0
+    policy_op_seconds: float = 0.0
 
     def seconds(self, flops: float, bytes_moved: float) -> float:
-        return max(flops / self.peak_flops_per_s, bytes_moved / self.bandwidth_bytes_per_s)
+        return self.op_seconds + max(flops / self.peak_flops_per_s, bytes_moved / self.bandwidth_bytes_per_s)
 
 
 A100 = Roofline()

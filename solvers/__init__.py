@@ -69,7 +69,7 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
             budget_bytes=budget_bytes,
             min_peak_bytes=least_peak or 0,
         )
-    best = min(plans, key=lambda p: (p.prediction.recompute_seconds, p.prediction.peak_bytes))
+    best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
     why = "; ".join(["cheapest plan within budget", *skipped])
     note = f"auto chose {best.solver.name}: {why}. {best.solver.note}".strip()
     return best.model_copy(

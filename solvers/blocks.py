@@ -153,6 +153,7 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
     return ComputeGraph(
         name=f"{graph.name}:{block.path}", nodes=tuple(nodes), storages=tuple(storages), static=static,
         outputs=(hi - lo,), loss_nodes=(hi - lo,), trace=graph.trace,
+        region_cost=graph.region_cost, policy_op_cost=graph.policy_op_cost,
     )
 
 
@@ -237,7 +238,7 @@ def measure(graph: ComputeGraph, block: Block, placed: tuple[Region, ...], windo
         elif inside:
             bwd = max(bwd, event.live_bytes)
     relative = tuple(Region(r.start - block.start, r.end - block.start, keep=r.keep) for r in placed)
-    return PolicyEffect(relative, report.recompute_seconds, windows.last_forward_live - last_forward_live, fwd, bwd)
+    return PolicyEffect(relative, report.cost_seconds, windows.last_forward_live - last_forward_live, fwd, bwd)
 
 
 def block_windows(blocks: Sequence[Block], base: Report) -> Windows:

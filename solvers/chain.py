@@ -26,6 +26,7 @@ Per stage k (nodes ``[starts[k], starts[k+1])``) the chain records, in bytes:
   gradient it receives (input gradient, first parameter gradients, temporaries).
 * ``param_grad_bytes[k]``: parameter gradients first allocated by its backward.
 * ``cost[k]``: seconds to run it forward again (the graph's roofline cost); ``flops[k]``.
+  Each region also costs ``region_cost`` seconds, its machinery's (``graph.region_cost``).
 * ``skip_fwd_bytes[k]``: skips made in stages ``≤ k``, each once: held during stage k's forward.
 * ``skip_bwd_bytes[k]``: the same skips with their gradients (tensor or recomputed copy, and gradient):
   held during stage k's backward and during the recomputation of any region ending at stage k.
@@ -56,6 +57,7 @@ class Chain:
     skip_bwd_bytes: tuple[int, ...]
     resident_bytes: int
     node_count: int
+    region_cost: float = 0.0  # seconds each region's machinery adds (``graph.region_cost``)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -211,6 +213,7 @@ def build_chain(graph: ComputeGraph, starts: list[int] | None = None) -> Chain:
         skip_bwd_bytes=tuple(skip_bwd),
         resident_bytes=graph.static.resident_bytes,
         node_count=n,
+        region_cost=graph.region_cost,
         **{name: tuple(values) for name, values in fields.items()},
     )
 

@@ -137,7 +137,7 @@ class ChainDP(StageUnits):
         if rest == INF:
             return best
         child, inner = self.frame(k, d, not region, mb, rin_b, ihb)
-        total = sweep_cost + rest + child
+        total = sweep_cost + rest + child + self.region_cost
         if total < best[0]:
             return total, (("region", k, d, inner), *plan)
         return best
@@ -290,7 +290,7 @@ def solve_dp(
         for found in (_checked(graph, curves[-1], budget_bytes), least):
             if found is None or found.report.peak_bytes > budget_bytes:
                 continue
-            if best is None or found.report.recompute_seconds < best.report.recompute_seconds:
+            if best is None or found.report.cost_seconds < best.report.cost_seconds:
                 best = found
     if best is None:
         raise InfeasibleBudgetError(

@@ -89,6 +89,7 @@ class StageUnits:
         self.skip_fwd = [up(b) for b in chain.skip_fwd_bytes]
         self.skip_bwd = [up(b) for b in chain.skip_bwd_bytes]
         self.cost = chain.cost
+        self.region_cost = chain.region_cost
         # params_after[k]: parameter gradients already allocated when stage k's backward starts
         self.params_after = [0] * (L + 1)
         for k in reversed(range(L)):
@@ -261,7 +262,7 @@ class CurveDP(StageUnits):
             width = int(caps[0]) + 1  # the shortest child needs least
             candidates = rest_rows[k + 1:k + 1 + count, rin_b:rin_b + width] + (
                 self._prefix[k + 1:k + 1 + count, None] - self._prefix[k] if region else 0.0)
-            candidates += child_rows[k:k + count, child_shift:child_shift + width]
+            candidates += child_rows[k:k + count, child_shift:child_shift + width] + self.region_cost
             candidates[self._entries[None, :width] > caps[:, None]] = INF
             row = candidates.argmin(axis=0)  # the first end reaching the least cost, as ChainDP picks
             best = candidates[row, self._entries[:width]]
@@ -270,7 +271,7 @@ class CurveDP(StageUnits):
             choice[:width][better] = (row[better] + (k + 1)).astype(choice.dtype)
         if whole:
             width = room + 1
-            candidate = 0.0 + rest_rows[b + 1, rin_b:rin_b + width] + child_rows[b, child_shift:child_shift + width]
+            candidate = self.region_cost + rest_rows[b + 1, rin_b:rin_b + width] + child_rows[b, child_shift:child_shift + width]
             better = candidate < values[:width]
             values[:width][better] = candidate[better]
             choice[:width][better] = b + 1

@@ -122,7 +122,7 @@ def simplify(graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int
     def no_worse(candidate: tuple[Region, ...]) -> bool:
         nonlocal best
         report = simulate(graph, candidate)
-        if report.peak_bytes <= budget_bytes and report.recompute_seconds <= best.recompute_seconds:
+        if report.peak_bytes <= budget_bytes and report.cost_seconds <= best.cost_seconds:
             best = report
             return True
         return False
@@ -180,7 +180,7 @@ def _sweeps(
 ) -> None:
     n = len(graph.nodes)
     best = found[0]
-    best_cost = simulate(graph, best).recompute_seconds
+    best_cost = simulate(graph, best).cost_seconds
     improved = True
     while improved and clock > 0 and time.perf_counter() < deadline:
         improved = False
@@ -202,8 +202,8 @@ def _sweeps(
                 continue
             candidate = extract_regions(graph, v, solver.Value)
             report = simulate(graph, candidate)
-            if report.peak_bytes <= budget_bytes and report.recompute_seconds < best_cost:
-                best, best_cost, improved = candidate, report.recompute_seconds, True
+            if report.peak_bytes <= budget_bytes and report.cost_seconds < best_cost:
+                best, best_cost, improved = candidate, report.cost_seconds, True
                 found[0] = best
 
 
@@ -347,6 +347,20 @@ def model_peak(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int 
     return int(solver.Value(v.peak))
 
 
+def model_cost(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None) -> float:
+    """The least cost (seconds) the model allows for one fixed one-level plan (tests compare it
+    with ``simulate``'s ``cost_seconds``: they must agree up to ``COST_SCALE`` rounding)."""
+    model, v = build_model(graph, None, window=window)
+    _fix(model, graph, v, tuple(regions))
+    model.Minimize(v.cost)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    code = solve_keeping_sigint(solver, model)
+    if code != cp_model.OPTIMAL:
+        raise CkptPlanError(f"the ilp model has no value for this plan ({solver.StatusName(code)})")
+    return solver.Value(v.cost) / COST_SCALE
+
+
 def least_peak(
     graph: ComputeGraph,
     *,
@@ -448,7 +462,7 @@ def solve_hierarchical(
                 budget_bytes=budget_bytes,
                 min_peak_bytes=max(least, budget_bytes + 1),
             )
-        best = min(warm, key=lambda p: p.prediction.recompute_seconds)
+        best = min(warm, key=lambda p: p.prediction.cost_seconds)
         return best.model_copy(update={"solver": SolverInfo(
             name="ilp", status="feasible", seconds=time.perf_counter() - started,
             note=f"{note}; no block choice fits, returning the {best.solver.name} plan")})
@@ -457,9 +471,9 @@ def solve_hierarchical(
         note += f"; chosen again {repairs} time(s) below the budget where blocks interact"
     plan = solver_plan(graph, regions, budget_bytes, SolverInfo(
         name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note), report=report)
-    cheaper = [p for p in warm if p.prediction.recompute_seconds < plan.prediction.recompute_seconds]
+    cheaper = [p for p in warm if p.prediction.cost_seconds < plan.prediction.cost_seconds]
     if cheaper:
-        best = min(cheaper, key=lambda p: p.prediction.recompute_seconds)
+        best = min(cheaper, key=lambda p: p.prediction.cost_seconds)
         return best.model_copy(update={"solver": SolverInfo(
             name="ilp", status="feasible", seconds=time.perf_counter() - started,
             note=f"the {best.solver.name} plan is cheaper than the block-by-block plan ({dec.describe()})")})
@@ -500,7 +514,7 @@ def solve_flat(
     model.Minimize(v.cost)
     one_level = [p for p in warm if all(not r.children for r in p.regions)]
     if one_level:
-        best_hint = min(one_level, key=lambda p: p.prediction.recompute_seconds)
+        best_hint = min(one_level, key=lambda p: p.prediction.cost_seconds)
         _hint_complete(model, graph, v, best_hint.regions)
     remaining = max(0.1, limit - (time.perf_counter() - started))
     clock = limit * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not the time left: reproducible
@@ -519,7 +533,7 @@ def solve_flat(
                 deterministic_seconds=clock * (1 - GLOBAL_SHARE), seed=seed,
             )
             if local != result.regions:
-                cost = simulate(graph, local).recompute_seconds * COST_SCALE
+                cost = simulate(graph, local).cost_seconds * COST_SCALE
                 result = CpResult("FEASIBLE", local, cost, result.bound, time.perf_counter() - started)
     left = limit - (time.perf_counter() - started)
     if result.regions is not None and result.status != "OPTIMAL" and not result.interrupted and left >= MIN_PROOF_SECONDS:
@@ -549,15 +563,15 @@ def solve_flat(
                 budget_bytes=budget_bytes,
                 min_peak_bytes=budget_bytes + 1,
             )
-        fallback = min(warm, key=lambda p: p.prediction.recompute_seconds)
+        fallback = min(warm, key=lambda p: p.prediction.cost_seconds)
         note = f"no ilp plan within {limit:g} s ({size}); returning the {_origin(fallback)} plan"
         return fallback.model_copy(update={"solver": SolverInfo(
             name="ilp", status="timeout", seconds=time.perf_counter() - started, note=note)})
     plan = solver_plan(graph, result.regions, budget_bytes, SolverInfo(name="ilp", status="feasible", seconds=0.0))
-    better_warm = [p for p in warm if p.prediction.recompute_seconds < plan.prediction.recompute_seconds]
+    better_warm = [p for p in warm if p.prediction.cost_seconds < plan.prediction.cost_seconds]
     if better_warm:
         # Only a nested dp plan can beat the optimum of the one-level space, or a stopped search.
-        best = min(better_warm, key=lambda p: p.prediction.recompute_seconds)
+        best = min(better_warm, key=lambda p: p.prediction.cost_seconds)
         note = f"the {_origin(best)} plan is cheaper than the best one-level plan found ({size})"
         return best.model_copy(update={"solver": SolverInfo(
             name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note)})
@@ -585,8 +599,8 @@ def _prove(
         budget_bytes=budget_bytes, announce=announce,
     )
     if proof.regions is not None:
-        found = simulate(graph, proof.regions).recompute_seconds
-        if found < simulate(graph, result.regions).recompute_seconds:
+        found = simulate(graph, proof.regions).cost_seconds
+        if found < simulate(graph, result.regions).cost_seconds:
             return proof
     status = "OPTIMAL" if proof.status == "OPTIMAL" else result.status
     return CpResult(status, result.regions, result.objective, max(result.bound, proof.bound),

@@ -46,7 +46,8 @@ Derived families (each defined by constraints next to where it is created):
   t; ``savedin_{s}_{j}``: a node of j's region saves s (then ``alive`` counts it instead),
   ``savedby_{s}_{j}_{jp}``: node jp, in j's region, saves it.
 * ``recomputed_{t}`` — node t is recomputed (in a region that is recomputed, before its early
-  stop, not kept): what the objective pays for.
+  stop, not kept): what the objective pays for, with the machinery's cost (``_machinery_cost``
+  defines ``keepupto``, ``keepfrom`` and ``inkeep``).
 
 Every derived boolean that only ever adds memory or cost is bounded from below only (the
 solver has no reason to raise it); those used both ways (``cont``, ``same``, ``trigafter``,
@@ -489,6 +490,34 @@ class _Builder:
             var = m.NewBoolVar(f"recomputed_{t}")
             self.implies([self.rec[t], self._keep_var(t).Not(), self.stopafter[t], self.hastrig[t]], var)
             terms.append(cost * var)
+        return sum(terms) + self._machinery_cost()
+
+    def _machinery_cost(self) -> cp_model.LinearExpr:
+        """``simulation.checkpoint_cost_seconds``: ``graph.region_cost`` per region (each true
+        ``start``) and ``2·graph.policy_op_cost`` per node whose region keeps something. Families
+        (bounded from below only): ``keepupto_{t}`` — t's region keeps a node at or before t;
+        ``keepfrom_{t}`` — at or after t; ``inkeep_{t}`` — either (t runs under the policy)."""
+        m, n, g = self.m, self.n, self.g
+        terms = []
+        region = round(g.region_cost * COST_SCALE)
+        if region > 0:
+            terms += [region * start for start in self.start]
+        policy = round(2 * g.policy_op_cost * COST_SCALE)
+        if policy <= 0 or not self.keep:
+            return sum(terms)
+        upto = [m.NewBoolVar(f"keepupto_{t}") for t in range(n)]
+        after = [m.NewBoolVar(f"keepfrom_{t}") for t in range(n)]
+        for t, keep in self.keep.items():
+            m.AddImplication(keep, upto[t])
+            m.AddImplication(keep, after[t])
+        for t in range(1, n):
+            self.implies([upto[t - 1], self.cont[t]], upto[t])
+            self.implies([after[t], self.cont[t]], after[t - 1])
+        for t in range(n):
+            inkeep = m.NewBoolVar(f"inkeep_{t}")
+            m.AddImplication(upto[t], inkeep)
+            m.AddImplication(after[t], inkeep)
+            terms.append(policy * inkeep)
         return sum(terms)
 
 

@@ -78,9 +78,9 @@ def solve_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
         least_peak = report.peak_bytes if least_peak is None else min(least_peak, report.peak_bytes)
         if report.peak_bytes > budget_bytes:
             continue
-        key = (report.recompute_seconds, report.peak_bytes)
+        key = (report.cost_seconds, report.peak_bytes)
         if best is None or key < best[:2]:
-            best = (report.recompute_seconds, report.peak_bytes, regions, report)
+            best = (report.cost_seconds, report.peak_bytes, regions, report)
         if time_limit is not None and time.perf_counter() - started > time_limit:
             break
     if best is None:

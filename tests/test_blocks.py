@@ -78,7 +78,7 @@ def test_measured_effects_predict_a_uniform_plan(gpt) -> None:
         report = simulate(graph, regions)
         freed = base.timeline[last_forward].live_bytes - report.timeline[last_forward].live_bytes
         assert freed == len(members) * effect.freed_bytes
-        assert report.recompute_seconds == pytest.approx(len(members) * effect.cost_seconds)
+        assert report.cost_seconds == pytest.approx(len(members) * effect.cost_seconds)
 
 
 @pytest.mark.parametrize("fraction", [0.7, 0.5])
@@ -88,7 +88,7 @@ def test_block_by_block_plans_fit_and_beat_sqrt(gpt, fraction: float) -> None:
     plan = solve_hierarchical(graph, budget, time_limit=8, warm=())
     assert plan is not None and plan.solver.name == "ilp" and "block by block" in plan.solver.note
     assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
-    assert plan.prediction.recompute_seconds <= solve_sqrt(graph, budget).prediction.recompute_seconds
+    assert plan.prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
 
 
 def test_large_graphs_of_blocks_are_solved_block_by_block_and_deterministically() -> None:

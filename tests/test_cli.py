@@ -440,6 +440,15 @@ def test_gpt3_example_plans_one_rank_with_its_training_defaults(workdir: Path) -
     assert plan["prediction"]["baseline_peak_bytes"] < unsharded["prediction"]["baseline_peak_bytes"]
 
 
+def test_costs_here_times_the_model_and_refuses_a_meta_one(workdir: Path, tiny: Path) -> None:
+    result = invoke("solve", tiny, "--budget", "0.9", "--solver", "dp", "--costs", "here", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["prediction"]["peak_bytes"] > 0
+    model = write(workdir, "gpt3_small.py", GPT3_SMALL.format(example=str(EXAMPLES / "gpt3_175b.py")))
+    result = invoke("solve", model, "--budget", "0.95", "--costs", "here")
+    assert result.exit_code == 1 and "meta device" in result.output
+
+
 def test_zero_stage_needs_values_it_knows(tiny: Path) -> None:
     result = invoke("solve", tiny, "--budget", "0.9", "--shard-degree", "2", "--zero-stage", "4")
     assert result.exit_code == 2

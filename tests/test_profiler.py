@@ -155,3 +155,42 @@ def test_repeated_profiles_in_one_process_record_identical_nodes() -> None:
         assert graph.nodes == first.nodes
         assert graph.storages == first.storages and graph.static == first.static
         assert graph.fingerprint == first.fingerprint
+
+
+def test_measured_times_price_each_op_and_leave_no_trace() -> None:
+    """``measure_times`` prices ops by their time on this machine, and timing the forward
+    changes nothing a training run could see: batch-norm statistics, the RNG stream, the bytes."""
+    torch.manual_seed(0)
+    model, x = models.ConvBN(), torch.randn(4, 8, 16, 16)
+    buffers = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    plain = ckptplan.profile(model, (x,))
+    measured = ckptplan.profile(model, (x,), measure_times=True)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))
+    assert torch.equal(rng, torch.get_rng_state())
+    assert measured.fingerprint == plain.fingerprint and measured.baseline_peak_bytes == plain.baseline_peak_bytes
+    assert all(n.fwd_cost > 0 for n in measured.nodes)
+    convs = [n.fwd_cost for n in measured.nodes if n.op == "aten.conv2d.default"]
+    assert convs and [n.fwd_cost for n in measured.nodes] != [n.fwd_cost for n in plain.nodes]
+
+
+def test_measured_times_need_real_tensors() -> None:
+    with torch.device("meta"):
+        model = models.mlp(depth=2, width=8)
+        x = torch.randn(4, 8)
+    with pytest.raises(ckptplan.CkptPlanError, match="real tensors"):
+        ckptplan.profile(model, (x,), measure_times=True)
+
+
+def test_measured_roofline_carries_this_machine_s_fixed_costs_into_plans() -> None:
+    """``measure_roofline`` times the host; the graph carries its region and policy costs, so
+    ``simulate`` charges them to a plan with regions and keep-sets."""
+    roofline = ckptplan.measure_roofline(repeats=5)
+    assert roofline.peak_flops_per_s > 0 and roofline.bandwidth_bytes_per_s > 0 and roofline.op_seconds > 0
+    assert roofline.region_seconds >= 0 and roofline.policy_op_seconds >= 0
+    model, x = models.mlp(depth=4, width=16), torch.randn(8, 16)
+    graph = ckptplan.profile(model, (x,), roofline=roofline)
+    assert (graph.region_cost, graph.policy_op_cost) == (roofline.region_seconds, roofline.policy_op_seconds)
+    plan = ckptplan.make_plan(graph, [ckptplan.Region(0, 4, keep=(graph.nodes[0].name,))])
+    expected = roofline.region_seconds + 2 * 4 * roofline.policy_op_seconds
+    assert plan.prediction.checkpoint_seconds == pytest.approx(expected)

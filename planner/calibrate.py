@@ -1,0 +1,105 @@
+"""Measure a ``Roofline`` on this machine: the cost model for plans that will run here.
+
+The default cost model is an A100's datasheet, where a convolution is a few times cheaper than
+the batch norm after it; on a CPU it is the other way round (here, one thread: about 100 GFLOP/s
+of fp32 matmul against 6 GB/s of elementwise traffic), and checkpointing's own bookkeeping
+(about 0.1 ms a region, tens of µs per op under a selective policy) no longer hides behind GPU
+kernels. Plans ranked by the wrong model recompute the wrong ops: profile with
+``roofline=measure_roofline()`` when the plan is to run where it is measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ckptplan.plan import Region
+from ckptplan.profiler.cost import Roofline
+
+log = logging.getLogger(__name__)
+
+MATMUL_SIDE = 1024  # square fp32 matmul timed for peak FLOP/s
+STREAM_ELEMENTS = 1 << 22  # fp32 elements of the elementwise add timed for bandwidth
+CHAIN_DEPTH = 16  # Linear+tanh pairs of the model whose checkpointed steps are timed
+CHAIN_WIDTH = 8  # tiny layers: their steps are almost all fixed costs
+
+
+def measure_roofline(device: str | torch.device = "cpu", *, repeats: int = 15) -> Roofline:
+    """Time a matmul, an elementwise add, a tiny op, and checkpointed steps of a small chain
+    on ``device`` with torch's current thread settings (medians of ``repeats`` runs; about a
+    second on CPU). The fixed costs are differences of medians, floored at 0."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def median_seconds(fn: Callable[[], object], inner: int = 1) -> float:
+        fn()
+        sync()
+        samples = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync()
+            samples.append((time.perf_counter() - started) / inner)
+        return statistics.median(samples)
+
+    with torch.no_grad():
+        a = torch.randn(MATMUL_SIDE, MATMUL_SIDE, device=device)
+        flops_per_s = 2 * MATMUL_SIDE**3 / median_seconds(lambda: a @ a)
+        x = torch.randn(STREAM_ELEMENTS, device=device)
+        bandwidth = 3 * x.element_size() * STREAM_ELEMENTS / median_seconds(lambda: x + x)
+        one = torch.ones(1, device=device)
+        op_seconds = median_seconds(lambda: one + one, inner=200)
+    region_seconds, policy_op_seconds = _checkpoint_costs(device, median_seconds, op_seconds)
+    roofline = Roofline(
+        peak_flops_per_s=flops_per_s,
+        bandwidth_bytes_per_s=bandwidth,
+        op_seconds=op_seconds,
+        region_seconds=region_seconds,
+        policy_op_seconds=policy_op_seconds,
+    )
+    log.info("measured on %s: %s", device, roofline)
+    return roofline
+
+
+def _checkpoint_costs(
+    device: torch.device, median_seconds: Callable[..., float], op_seconds: float
+) -> tuple[float, float]:
+    """(region_seconds, policy_op_seconds) from training steps of a tiny chain emitted with no
+    regions, one region per node (each recomputing one tiny op), and one region keeping every
+    node (no recompute; every op runs under the policy in forward and in the recompute)."""
+    from ckptplan.planner.emit import emit  # planner imports profiler, not the other way
+    from ckptplan.profiler import profile
+    from ckptplan.profiler.loss import training_loss
+    from ckptplan.simulation import simulate
+    from ckptplan.solvers.ilp_model import keepable
+
+    layers = [m for _ in range(CHAIN_DEPTH) for m in (nn.Linear(CHAIN_WIDTH, CHAIN_WIDTH), nn.Tanh())]
+    model = nn.Sequential(*layers).to(device)
+    x = torch.randn(4, CHAIN_WIDTH, device=device)
+    graph = profile(model, (x,))
+    n = len(graph.nodes)
+
+    def step_seconds(regions: list[Region]) -> float:
+        module = emit(graph, regions)
+
+        def step() -> None:
+            for p in model.parameters():
+                p.grad = None
+            training_loss(module(x)).backward()
+
+        return median_seconds(step)
+
+    plain = step_seconds([])
+    singles = [Region(t, t + 1) for t in range(n) if t in graph.boundaries and t + 1 in graph.boundaries]
+    recomputed = len(simulate(graph, singles).recomputed)
+    per_region = (step_seconds(singles) - plain - recomputed * op_seconds) / len(singles)
+    whole = Region(0, n, keep=tuple(node.name for node in graph.nodes if keepable(graph, node.index)))
+    per_policy_op = (step_seconds([whole]) - plain - max(per_region, 0.0)) / (2 * n)
+    return max(per_region, 0.0), max(per_policy_op, 0.0)
+

@@ -1,0 +1,65 @@
+"""Measured forward times of a traced graph's ops, for plans that run where they are profiled.
+
+The roofline prices an op by its FLOPs and bytes; on a CPU that misses by tens of times either
+way (one thread here: an fp32 add ran at 100 GB/s in cache and 4 GB/s out of it, ``tanh`` at
+2 GB/s, bound by its arithmetic). Timing each op on the real tensors prices what recomputing it
+costs on this machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckptplan.errors import CkptPlanError
+from ckptplan.profiler.trace import Autocast, training_mode
+
+TIMING_RUNS = 3  # timed forwards after one warm-up; each op's median is kept
+
+
+class _Timer(torch.fx.Interpreter):
+    """Runs the graph, recording each node's wall time (device-synchronised on CUDA)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, sync: Any) -> None:
+        super().__init__(gm)
+        self.sync = sync
+        self.seconds: dict[str, list[float]] = defaultdict(list)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.sync()
+        started = time.perf_counter()
+        out = super().run_node(n)
+        self.sync()
+        self.seconds[n.name].append(time.perf_counter() - started)
+        return out
+
+
+def measure_op_seconds(
+    model: nn.Module, gm: torch.fx.GraphModule, flat_inputs: list[Any], autocast: Autocast | None
+) -> dict[str, float]:
+    """Median forward seconds of each node of ``gm`` (by name) over ``TIMING_RUNS`` forwards with
+    autograd recording, as a recompute runs them. The model's buffers (batch-norm statistics)
+    and the global RNG are restored afterwards, so timing leaves no trace in training."""
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in flat_inputs if isinstance(x, torch.Tensor))]
+    if any(t.is_meta for t in tensors):
+        raise CkptPlanError("Measuring op times needs a model and inputs with real tensors, not on the meta device.")
+    cuda = any(t.is_cuda for t in tensors)
+    timer = _Timer(gm, torch.cuda.synchronize if cuda else (lambda: None))
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    context = autocast.forward() if autocast is not None else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []), training_mode(model):
+        for run in range(TIMING_RUNS + 1):
+            with context, torch.enable_grad():
+                timer.run(*flat_inputs)
+            if run == 0:
+                timer.seconds.clear()  # the warm-up pays one-time costs (allocations, kernel selection)
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+    return {name: statistics.median(samples) for name, samples in timer.seconds.items()}
