@@ -481,7 +481,9 @@ class GradientStep:
     ``allocated``: (gradient id, bytes, receiving node) for each input gradient it creates;
     ``aliased``: receiving nodes it hands a view of ``incoming`` (view ops, and the inputs in
     ``Node.grad_aliased_inputs``), also into a free output slot of a multi-output op;
-    ``replaced``: receiving nodes whose view of the seed an allocated gradient replaces;
+    ``replaced``: (receiving node, gradient ids) for each node whose gradient was a view (of the
+    seed, or of another op's gradient, such as ``cat``'s slices) and that an allocated gradient
+    replaces: autograd cannot add into a view, so it adds out of place and drops the view;
     ``param_grads``: parameter storages whose gradient it allocates first; ``transient_bytes``:
     what it adds into gradients that already exist (a temporary of that size)."""
 
@@ -489,7 +491,7 @@ class GradientStep:
     incoming: tuple[int, ...]
     allocated: tuple[tuple[int, int, int], ...]
     aliased: tuple[int, ...]
-    replaced: tuple[int, ...]
+    replaced: tuple[tuple[int, tuple[int, ...]], ...]
     param_grads: tuple[int, ...]
     transient_bytes: int
 
@@ -499,6 +501,7 @@ def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
     grad and receives a gradient (from the loss nodes down)."""
     grads: dict[int, tuple[int, ...]] = {i: (SEED,) for i in graph.loss_nodes}  # node -> ids of its gradients
     slots: dict[int, set[int]] = defaultdict(set)  # multi-output node -> outputs whose gradient arrived
+    views_held: set[int] = set()  # nodes whose gradient is a view of another's (of cat's, say)
     done_params: set[int] = set()
     steps: list[GradientStep] = []
     counter = SEED
@@ -518,17 +521,20 @@ def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
             if slot is not None and j in grads and slot not in slots[j] and grads[j] != (SEED,):
                 grads[j] = grads[j] + incoming  # another output's gradient: its own slot
                 aliased.append(j)
-            elif j in grads and grads[j] != (SEED,):
-                transient += size
+            elif j in grads and grads[j] != (SEED,) and j not in views_held:
+                transient += size  # added in place into j's own gradient
             elif j not in grads and j in views:
                 grads[j] = incoming
                 aliased.append(j)
+                views_held.add(j)
             else:
-                # New, or the first gradient added to the seed's broadcast view: autograd adds
-                # the two out of place (an expanded tensor cannot be accumulated into), so j
-                # then holds a gradient of its full size.
+                # New, or a gradient added to a view (the seed's broadcast view, a slice of
+                # cat's gradient): autograd cannot accumulate into a view (input_buffer.cpp's
+                # can_accumulate_inplace), so it adds the two out of place and drops the view;
+                # j then holds a gradient of its full size.
                 if j in grads:
-                    replaced.append(j)
+                    replaced.append((j, grads[j]))
+                views_held.discard(j)
                 counter += 1
                 grads[j] = (counter,)
                 allocated.append((counter, size, j))
@@ -570,8 +576,6 @@ def _begin_gradients(mem: _Memory, graph: ComputeGraph, step: GradientStep) -> N
     """Hold the gradients ``step`` creates (a gradient is held by each node it is owed to)."""
     for gid, size, j in step.allocated:
         mem.hold((-gid, 0), size, ("grad", j))
-    for j in step.replaced:
-        mem.release((-SEED, 0), ("grad", j))
     for j in step.aliased:
         for gid in step.incoming:
             mem.hold((-gid, 0), 0, ("grad", j))
@@ -580,9 +584,13 @@ def _begin_gradients(mem: _Memory, graph: ComputeGraph, step: GradientStep) -> N
 
 
 def _end_gradients(mem: _Memory, step: GradientStep) -> None:
-    """The gradients ``step`` consumed die with it, unless a view of them was handed on."""
+    """The gradients ``step`` consumed die with it, unless a view of them was handed on; a view
+    its new gradients were added to goes once the addition (after the op) is done."""
     for gid in step.incoming:
         mem.release((-gid, 0), ("grad", step.node))
+    for j, gids in step.replaced:
+        for gid in gids:
+            mem.release((-gid, 0), ("grad", j))
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 The default cost model is an A100's datasheet, where a convolution is a few times cheaper than
 the batch norm after it; on a CPU it is the other way round (here, one thread: about 100 GFLOP/s
-of fp32 matmul against 6 GB/s of elementwise traffic), and checkpointing's own bookkeeping
-(about 0.1 ms a region, tens of µs per op under a selective policy) no longer hides behind GPU
-kernels. Plans ranked by the wrong model recompute the wrong ops: profile with
+of fp32 matmul, and 4 GB/s through a batch norm), and checkpointing's own bookkeeping (about
+0.2 ms a region and 0.05 ms per op under a selective policy, measured here) no longer hides
+behind GPU kernels. Plans ranked by the wrong model recompute the wrong ops: profile with
 ``roofline=measure_roofline()`` when the plan is to run where it is measured.
 """
 
