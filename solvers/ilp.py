@@ -15,7 +15,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -336,29 +336,30 @@ def run_cp_sat(
 def model_peak(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None) -> int:
     """The least peak the model allows for one fixed one-level plan (tests compare it with
     ``simulate``: they must agree)."""
-    model, v = build_model(graph, None, window=window)
-    _fix(model, graph, v, tuple(regions))
-    model.Minimize(v.peak)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    code = solve_keeping_sigint(solver, model)
-    if code != cp_model.OPTIMAL:
-        raise CkptPlanError(f"the ilp model has no value for this plan ({solver.StatusName(code)})")
-    return int(solver.Value(v.peak))
+    return _fixed_optimum(graph, regions, window, lambda v: v.peak)
 
 
 def model_cost(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None) -> float:
     """The least cost (seconds) the model allows for one fixed one-level plan (tests compare it
     with ``simulate``'s ``cost_seconds``: they must agree up to ``COST_SCALE`` rounding)."""
+    return _fixed_optimum(graph, regions, window, lambda v: v.cost) / COST_SCALE
+
+
+def _fixed_optimum(
+    graph: ComputeGraph, regions: tuple[Region, ...], window: int | None,
+    objective: Callable[[IlpVars], cp_model.LinearExprT],
+) -> int:
+    """The least value of ``objective`` over the model with ``regions``' decisions fixed."""
     model, v = build_model(graph, None, window=window)
     _fix(model, graph, v, tuple(regions))
-    model.Minimize(v.cost)
+    target = objective(v)
+    model.Minimize(target)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     code = solve_keeping_sigint(solver, model)
     if code != cp_model.OPTIMAL:
         raise CkptPlanError(f"the ilp model has no value for this plan ({solver.StatusName(code)})")
-    return solver.Value(v.cost) / COST_SCALE
+    return int(solver.Value(target))
 
 
 def least_peak(
