@@ -151,9 +151,9 @@ def test_every_solver_plan_trains_equally_within_budget(case: str, solver: str) 
     reference = copy.deepcopy(model)
     graph = ckptplan.profile(model, args, kwargs)
     try:
-        plan = ckptplan.solve(graph, 0.7, solver=solver, time_limit=3)
+        plan = ckptplan.solve(graph, 0.7, solver=solver, time_limit=2)
     except InfeasibleBudgetError as error:
-        plan = ckptplan.solve(graph, error.min_peak_bytes, solver=solver, time_limit=3)
+        plan = ckptplan.solve(graph, error.min_peak_bytes, solver=solver, time_limit=2)
     emitted = ckptplan.emit(graph, plan)
     losses = []
     for module in (reference, emitted):
