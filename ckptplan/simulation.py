@@ -501,7 +501,9 @@ def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
     grad and receives a gradient (from the loss nodes down)."""
     grads: dict[int, tuple[int, ...]] = {i: (SEED,) for i in graph.loss_nodes}  # node -> ids of its gradients
     slots: dict[int, set[int]] = defaultdict(set)  # multi-output node -> outputs whose gradient arrived
-    views_held: set[int] = set()  # nodes whose gradient is a view of another's (of cat's, say)
+    # Nodes whose gradient is a view: of the seed (the loss nodes, to start with), or of another
+    # op's gradient (a slice of cat's, say).
+    views_held: set[int] = set(graph.loss_nodes)
     done_params: set[int] = set()
     steps: list[GradientStep] = []
     counter = SEED
@@ -513,7 +515,7 @@ def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
         transient = 0
         allocated: list[tuple[int, int, int]] = []
         aliased: list[int] = []
-        replaced: list[int] = []
+        replaced: list[tuple[int, tuple[int, ...]]] = []
         views = set(node.grad_inputs) if node.grad_aliases_output else set(node.grad_aliased_inputs)
         for j in sorted(set(node.grad_inputs)):
             size = graph.nodes[j].output_bytes
@@ -521,7 +523,7 @@ def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
             if slot is not None and j in grads and slot not in slots[j] and grads[j] != (SEED,):
                 grads[j] = grads[j] + incoming  # another output's gradient: its own slot
                 aliased.append(j)
-            elif j in grads and grads[j] != (SEED,) and j not in views_held:
+            elif j in grads and j not in views_held:
                 transient += size  # added in place into j's own gradient
             elif j not in grads and j in views:
                 grads[j] = incoming

@@ -12,7 +12,7 @@ import json
 import logging
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.logging import RichHandler
@@ -351,13 +351,14 @@ def _profile(
     master_dtype: str | None,
     autocast: str | None,
     target: Device | None,
-    costs: Costs = Costs.a100,
+    costs: Costs,
 ) -> ComputeGraph:
     """Profile the loaded model as the options (or, where they are silent, its file's
     ``TRAINING`` defaults, which the loader has checked) describe its training step."""
     import torch  # here, not at the top: `show` and `schema` never need torch
 
     from ckptplan.profiler.cost import A100
+    from ckptplan.profiler.trace import model_device_type
 
     optimizer_name = optimizer.value if optimizer is not None else loaded.training.get("optimizer")
     master_dtype = master_dtype or loaded.training.get("master_dtype")
@@ -368,7 +369,7 @@ def _profile(
         shard = ShardSpec(shard_degree, stage=zero_stage, master_dtype=master_dtype if zero_stage == 3 else None)
     roofline = A100
     if costs == Costs.here:
-        device = _model_device(loaded.model)
+        device = model_device_type(loaded.model, [])
         if device == "meta":
             raise ckptplan.CkptPlanError("--costs here times the model's ops, but its tensors are on the meta device; use --costs a100.")
         roofline = ckptplan.measure_roofline(device)
@@ -377,12 +378,6 @@ def _profile(
         autocast=getattr(torch, autocast) if autocast is not None else None, target=target_name,
         roofline=roofline, measure_times=costs == Costs.here,
     )
-
-
-def _model_device(model: Any) -> str:
-    """Where ``model``'s first parameter lives (cpu for a model without any)."""
-    first = next(iter(model.parameters()), None)
-    return "cpu" if first is None else str(first.device)
 
 
 def _write_stdout(text: str) -> None:
