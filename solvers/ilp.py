@@ -386,9 +386,10 @@ def least_peak(
     return start_peak, False
 
 
-def _warm_plans(
+def warm_plans(
     graph: ComputeGraph, budget_bytes: int, time_limit: float, names: Sequence[str] = WARM_SOLVERS
 ) -> list[Plan]:
+    """The plans of the solvers ``names`` within ``budget_bytes``, leaving out those that find none."""
     plans = []
     for name in names:
         try:
@@ -416,6 +417,7 @@ def solve_ilp(
     by dynamic programming). Smaller graphs, or ones without repeated blocks, are solved whole
     (``solve_flat``), with the block-by-block plan among the warm starts.
     """
+    started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     _stopped.clear()
     if budget_bytes >= graph.baseline_peak_bytes:
@@ -425,7 +427,7 @@ def solve_ilp(
         if plan is not None:
             return plan
     # On smaller graphs the block-by-block plan is one more warm start for the whole model.
-    warm = list(warm) if warm is not None else _warm_plans(graph, budget_bytes, limit)
+    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit)
     try:
         by_blocks = solve_hierarchical(graph, budget_bytes, time_limit=limit * HIERARCHICAL_SHARE, warm=())
     except InfeasibleBudgetError:
@@ -434,7 +436,7 @@ def solve_ilp(
         warm.append(by_blocks)
     return solve_flat(
         graph, budget_bytes, time_limit=limit * (1 - HIERARCHICAL_SHARE), workers=workers, seed=seed,
-        window=window, warm=warm,
+        window=window, warm=warm, deadline=started + limit,
     )
 
 
@@ -451,7 +453,7 @@ def solve_hierarchical(
     if found is None:
         return None
     dec, windows = found
-    warm = list(warm) if warm is not None else _warm_plans(graph, budget_bytes, limit, names=("sqrt",))
+    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit, names=("sqrt",))
     result = blocks.solve_blocks(graph, budget_bytes, dec, windows)
     note = f"{HIERARCHICAL}: {dec.describe()}"
     if result is None:
@@ -491,10 +493,13 @@ def solve_flat(
     window: int | None = None,
     warm: Sequence[Plan] | None = None,
     announce: bool = True,
+    deadline: float | None = None,
 ) -> Plan:
     """``solve_ilp`` on the whole graph as one CP-SAT model.
 
-    ``time_limit`` (seconds, default ``DEFAULT_TIME_LIMIT``) bounds the CP-SAT search. With
+    ``time_limit`` (seconds, default ``DEFAULT_TIME_LIMIT``) bounds the CP-SAT search, and sets
+    its deterministic clock; ``deadline`` (a ``time.perf_counter()`` value) can end it sooner
+    on the wall clock, for callers that spent part of their own limit before this call. With
     ``workers=1`` (the default) and a fixed ``seed`` the search is reproducible (see
     ``_configure``); more workers usually find cheaper plans in the same time. Status:
     ``optimal`` (proven for this plan space), ``feasible`` with the proven relative gap, or
@@ -504,20 +509,21 @@ def solve_flat(
     """
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    end = started + limit if deadline is None else min(started + limit, deadline)
     if budget_bytes >= graph.baseline_peak_bytes:
         return solver_plan(
             graph, (), budget_bytes,
             SolverInfo(name="ilp", status="optimal", seconds=time.perf_counter() - started, gap=0.0,
                        note="the budget holds the step without checkpointing"),
         )
-    warm = list(warm) if warm is not None else _warm_plans(graph, budget_bytes, limit)
+    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit)
     model, v = build_model(graph, budget_bytes, window=window)
     model.Minimize(v.cost)
     one_level = [p for p in warm if all(not r.children for r in p.regions)]
     if one_level:
         best_hint = min(one_level, key=lambda p: p.prediction.cost_seconds)
         _hint_complete(model, graph, v, best_hint.regions)
-    remaining = max(0.1, limit - (time.perf_counter() - started))
+    remaining = max(0.1, end - time.perf_counter())
     clock = limit * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not the time left: reproducible
     result = run_cp_sat(
         model, graph, v, time_limit=remaining * GLOBAL_SHARE, deterministic_seconds=clock * GLOBAL_SHARE,
@@ -530,13 +536,13 @@ def solve_flat(
         if incumbent is not None:
             model.ClearHints()
             local = improve_locally(
-                model, graph, v, incumbent, budget_bytes, deadline=started + limit,
+                model, graph, v, incumbent, budget_bytes, deadline=end,
                 deterministic_seconds=clock * (1 - GLOBAL_SHARE), seed=seed,
             )
             if local != result.regions:
                 cost = simulate(graph, local).cost_seconds * COST_SCALE
                 result = CpResult("FEASIBLE", local, cost, result.bound, time.perf_counter() - started)
-    left = limit - (time.perf_counter() - started)
+    left = end - time.perf_counter()
     if result.regions is not None and result.status != "OPTIMAL" and not result.interrupted and left >= MIN_PROOF_SECONDS:
         result = _prove(model, graph, v, result, budget_bytes, seconds=left, seed=seed, announce=announce)
     size = f"{len(graph.nodes)} nodes, {v.counts['variables']} variables, {v.counts['constraints']} constraints"
@@ -544,8 +550,8 @@ def solve_flat(
         size += f", regions of at most {v.window} nodes"
     if result.regions is None:
         if result.status == "INFEASIBLE":
-            least, proven = least_peak(graph, time_limit=remaining, deterministic_seconds=clock, workers=workers,
-                                       seed=seed, window=window)
+            least, proven = least_peak(graph, time_limit=end - time.perf_counter(), deterministic_seconds=clock,
+                                       workers=workers, seed=seed, window=window)
             reach = (
                 f"the least peak one-level plans with keep-sets reach, {describe_bytes(least)}" if proven else
                 f"what one-level plans with keep-sets reach (the least found in {limit:g} s: {describe_bytes(least)}, "
