@@ -339,18 +339,21 @@ def model_peak(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int 
     return _fixed_optimum(graph, regions, window, lambda v: v.peak)
 
 
-def model_cost(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None) -> float:
-    """The least cost (seconds) the model allows for one fixed one-level plan (tests compare it
-    with ``simulate``'s ``cost_seconds``: they must agree up to ``COST_SCALE`` rounding)."""
-    return _fixed_optimum(graph, regions, window, lambda v: v.cost) / COST_SCALE
+def model_cost(
+    graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None, budget_bytes: int | None = None
+) -> float:
+    """The least cost (seconds) the model allows for one fixed one-level plan within
+    ``budget_bytes`` (tests compare it with ``simulate``'s ``cost_seconds`` at the simulated
+    peak: they must agree up to ``COST_SCALE`` rounding)."""
+    return _fixed_optimum(graph, regions, window, lambda v: v.cost, budget_bytes) / COST_SCALE
 
 
 def _fixed_optimum(
     graph: ComputeGraph, regions: tuple[Region, ...], window: int | None,
-    objective: Callable[[IlpVars], cp_model.LinearExprT],
+    objective: Callable[[IlpVars], cp_model.LinearExprT], budget_bytes: int | None = None,
 ) -> int:
     """The least value of ``objective`` over the model with ``regions``' decisions fixed."""
-    model, v = build_model(graph, None, window=window)
+    model, v = build_model(graph, budget_bytes, window=window)
     _fix(model, graph, v, tuple(regions))
     target = objective(v)
     model.Minimize(target)
