@@ -23,7 +23,7 @@ from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.loss import loss_leaves, training_loss
 from ckptplan.profiler.record import record_graph
 from ckptplan.profiler.shard import shard_layout
-from ckptplan.profiler.timing import measure_op_seconds
+from ckptplan.profiler.timing import StepTimes, measure_op_seconds
 from ckptplan.profiler.static import static_memory
 from ckptplan.profiler.trace import Autocast, Target, TraceMode, model_device_type, trace_model
 from ckptplan.sharding import ShardSpec, shard_graph
@@ -70,8 +70,9 @@ def profile(
     ``roofline``: the cost model that prices recomputation (default: an A100's datasheet;
     ``ckptplan.measure_roofline()`` measures this machine's, with the fixed costs of regions
     and selective policies). ``measure_times``: also run the model's forward a few times on its
-    real tensors and price each op by its measured time (backward scaled by the roofline's
-    backward-to-forward ratio): for plans that will run on the machine profiling them.
+    real tensors and price each op by its measured time (each op's backward by the roofline's
+    backward-to-forward ratio, all of them scaled to the measured backward): for plans that
+    will run on the machine profiling them.
     """
     autocast_name = _autocast_name(autocast)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
@@ -123,19 +124,22 @@ def profile(
     return graph
 
 
-def _with_measured_times(nodes: tuple[Node, ...], seconds: dict[str, float]) -> tuple[Node, ...]:
-    """``nodes`` priced by their measured forward ``seconds``; backward keeps the roofline's
-    ratio to forward. Nodes the timing run did not see keep their roofline costs."""
-    priced = []
-    for node in nodes:
-        measured = seconds.get(node.name)
-        if measured is None:
-            priced.append(node)
-            continue
-        ratio = node.bwd_cost / node.fwd_cost if node.fwd_cost > 0 else 0.0
-        priced.append(replace(node, fwd_cost=measured, bwd_cost=ratio * measured))
-    log.info("measured times of %d of %d ops", len(priced) - sum(n.name not in seconds for n in nodes), len(nodes))
-    return tuple(priced)
+def _with_measured_times(nodes: tuple[Node, ...], times: StepTimes) -> tuple[Node, ...]:
+    """``nodes`` priced by their measured forward seconds; backward by the roofline's ratio to
+    forward, scaled so that the measured nodes' backward adds up to the measured backward.
+    Nodes the timing run did not see keep their roofline costs."""
+    seconds = times.op_seconds
+    measured = [n for n in nodes if n.name in seconds]
+    raw_bwd = {n.name: (n.bwd_cost / n.fwd_cost if n.fwd_cost > 0 else 0.0) * seconds[n.name] for n in measured}
+    total = sum(raw_bwd.values())
+    scale = times.backward_seconds / total if times.backward_seconds is not None and total > 0 else 1.0
+    priced = tuple(
+        replace(n, fwd_cost=seconds[n.name], bwd_cost=raw_bwd[n.name] * scale) if n.name in seconds else n
+        for n in nodes
+    )
+    log.info("measured times of %d of %d ops; backward scaled by %.2f to the measured %s s",
+             len(measured), len(nodes), scale, times.backward_seconds)
+    return priced
 
 
 # The dtypes torch.autocast lowers to on CPU and CUDA; any other makes it disable itself.

@@ -158,8 +158,9 @@ def test_repeated_profiles_in_one_process_record_identical_nodes() -> None:
 
 
 def test_measured_times_price_each_op_and_leave_no_trace() -> None:
-    """``measure_times`` prices ops by their time on this machine, and timing the forward
-    changes nothing a training run could see: batch-norm statistics, the RNG stream, the bytes."""
+    """``measure_times`` prices ops by their time on this machine, backward by the roofline's
+    ratio scaled to one measured backward, and timing the step changes nothing a training run
+    could see: batch-norm statistics, the RNG stream, gradients, the bytes."""
     torch.manual_seed(0)
     model, x = models.ConvBN(), torch.randn(4, 8, 16, 16)
     buffers = [b.clone() for b in model.buffers()]
@@ -168,6 +169,12 @@ def test_measured_times_price_each_op_and_leave_no_trace() -> None:
     measured = ckptplan.profile(model, (x,), measure_times=True)
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))
     assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+    scales = {
+        round((m.bwd_cost / m.fwd_cost) / (p.bwd_cost / p.fwd_cost), 9)
+        for m, p in zip(measured.nodes, plain.nodes, strict=True) if p.bwd_cost > 0
+    }
+    assert len(scales) == 1 and next(iter(scales)) not in (0.0, 1.0)  # 1.0: no backward measured
     assert measured.fingerprint == plain.fingerprint and measured.baseline_peak_bytes == plain.baseline_peak_bytes
     assert all(n.fwd_cost > 0 for n in measured.nodes)
     convs = [n.fwd_cost for n in measured.nodes if n.op == "aten.conv2d.default"]
