@@ -12,8 +12,7 @@ as intervals in CP-SAT); here retention is tied to PyTorch's checkpoint semantic
 free schedule, so each storage needs only one boolean per event inside its own retention window.
 
 Memory is counted in exact bytes; costs are ``fwd_cost`` seconds scaled to integers by
-``COST_SCALE``. Redundant clauses (``dropped_is_recomputed``) give the LP relaxation a
-knapsack bound on the cost.
+``COST_SCALE``.
 
 Decision families (``t`` a node index, ``n`` nodes):
 
@@ -484,39 +483,14 @@ class _Builder:
     def objective(self) -> cp_model.LinearExpr:
         m, g = self.m, self.g
         terms = []
-        self.recomputed: dict[int, cp_model.IntVar] = {}
         for t, node in enumerate(g.nodes):
             cost = round(node.fwd_cost * COST_SCALE)
             if cost <= 0:
                 continue
-            var = self.recomputed[t] = m.NewBoolVar(f"recomputed_{t}")
+            var = m.NewBoolVar(f"recomputed_{t}")
             self.implies([self.rec[t], self._keep_var(t).Not(), self.stopafter[t], self.hastrig[t]], var)
             terms.append(cost * var)
-        self.dropped_is_recomputed()
         return sum(terms) + self._machinery_cost()
-
-    def dropped_is_recomputed(self) -> None:
-        """Redundant clauses ``held_s or recomputed_p`` that tie the bytes a plan frees in forward
-        to what it pays: with them CP-SAT's LP relaxation bounds the cost by a knapsack (a plan
-        must drop enough saved bytes to fit each forward event, and pay for each producer it
-        drops), where the clauses of ``recomputed`` alone leave the bound near zero. One run each
-        on the examples, 8 workers, 30 s: the U-Net at 70% went from gap 0.48 to 0.11; with a
-        CPU-like cost model (fixed costs per op, region and policy op) the GPT example at 70%
-        went from 0.75 to 0.43 and the ResNet at 50% was proven optimal in 15 s (18 s without).
-
-        Valid for each storage s produced by p that has a saver whose backward runs and no saver
-        before p: when nothing holds s, every saver and every reader of s inside a region shares
-        p's region (else s would be a region input), p is not kept (its cache would hold s), that
-        region holds a trigger (the saver), and p precedes a save (the saver): p is recomputed.
-        (Making ``recomputed`` exact as well, with the converse implications, slowed proofs.)"""
-        for s in self.dynamic:
-            p = self.g.storages[s].producer
-            savers = self.savers.get(s, [])
-            if p < 0 or p not in self.recomputed or not savers or min(savers) < p:
-                continue
-            if not any(j in self.runs_backward for j in savers):
-                continue
-            self.m.AddBoolOr([self.held[s], self.recomputed[p]])
 
     def _machinery_cost(self) -> cp_model.LinearExpr:
         """``simulation.checkpoint_cost_seconds``: ``graph.region_cost`` per region (each true
