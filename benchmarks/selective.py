@@ -56,7 +56,12 @@ def main() -> None:
         graph = gpt_graph(width)
         activation = graph.baseline_peak_bytes - graph.static.resident_bytes
         budget = graph.static.resident_bytes + int(options.fraction * activation)
-        plan = ckptplan.solve(graph, budget, solver="ilp", time_limit=options.time_limit)
+        try:
+            plan = ckptplan.solve(graph, budget, solver="ilp", time_limit=options.time_limit)
+        except ckptplan.InfeasibleBudgetError as error:
+            print(f"| {width} | {len(graph.nodes)} | infeasible: least peak found "
+                  f"{error.min_peak_bytes / 2**20:.1f} MiB, budget {budget / 2**20:.1f} MiB | | | | |")
+            continue
         kept, recomputed = Counter(), Counter()
         for region in plan.regions:
             for i in range(region.start, region.end):
