@@ -57,9 +57,11 @@ BALLAST_SHARES = (0.0, 1.0, 4.0)  # the rest of the step, in the block's activat
 KEEP_STEPS = 4  # keep-set sizes of ranked_keep_policies: 0, 1/4, ..., all of the keepable nodes
 FREED_UNITS = 4000  # buckets of freed bytes in which the choice DP keeps one state
 MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan overshoots
-# dp also warm-starts the block solves when each gets this many seconds: on GPT-2 (4 layers) its
-# plans made block-by-block plans up to 10x cheaper at 80%, but it costs about 0.06 s per solve.
-DP_WARM_SECONDS = 0.2
+# With this many seconds per block solve, dp's plans warm-start them too (on GPT-2, 4 layers,
+# they made block-by-block plans up to 10x cheaper at 80%, for about 0.06 s per solve) and the
+# lowest budget tried is the least peak the flat ilp finds (GPT-3 at 80 GB: 22.5% overhead,
+# 22.7% from sqrt's least peak).
+THOROUGH_SECONDS = 0.2
 MIN_BLOCK_NODES = 4  # smaller blocks leave nothing to decide inside them: no decomposition
 
 
@@ -165,11 +167,12 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
 def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list[tuple[Region, ...]]:
     """Candidate policies for ``block`` (relative regions, keep-sets naming the block's nodes):
     none, ``ranked_keep_policies``, and the flat ilp's plans of ``block_graph`` at
-    ``POLICY_BUDGETS`` budgets from the least peak of those or of ``sqrt`` to its unplanned peak,
-    for each ballast of ``BALLAST_SHARES`` × the block's activation bytes (0 favours a low peak
-    inside the block, more favours storing little for the rest of the step). Each solve starts
-    from the ranked policies and ``sqrt``'s plan, and ``dp``'s when ``seconds`` allows
-    ``DP_WARM_SECONDS`` per solve."""
+    ``POLICY_BUDGETS`` budgets from a least peak to its unplanned peak, for each ballast of
+    ``BALLAST_SHARES`` × the block's activation bytes (0 favours a low peak inside the block,
+    more favours storing little for the rest of the step). Each solve starts from the ranked
+    policies and ``sqrt``'s plan; the least peak is the lowest of theirs. When ``seconds``
+    allows ``THOROUGH_SECONDS`` per solve, ``dp``'s plan is a warm start too and the least peak
+    is the flat ilp's."""
     from ckptplan.solvers.ilp import warm_plans, solve_flat  # ilp imports this module for large graphs
 
     length = block.end - block.start
@@ -177,18 +180,25 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     found: list[tuple[Region, ...]] = [(), *ranked]
     activation = sum(graph.saved_bytes(i) for i in range(block.start, block.end))
     per_solve = seconds / (len(BALLAST_SHARES) * (POLICY_BUDGETS + 1))
-    warm_solvers = ("sqrt", "dp") if per_solve >= DP_WARM_SECONDS else ("sqrt",)
+    thorough = per_solve >= THOROUGH_SECONDS
+    warm_solvers = ("sqrt", "dp") if thorough else ("sqrt",)
     for share in BALLAST_SHARES:
         sub = block_graph(graph, block, int(share * activation))
         top = sub.baseline_peak_bytes
         # The ranked policies warm-start each solve, and with sqrt's least-peak plan they set the
-        # lowest budget tried: simulating them is cheap, where an exact least-peak search per
-        # ballast took a third of this function's time (GPT example, 0.75 s asked: 3.8 s).
+        # lowest budget tried when time is short: simulating them is cheap, where the least-peak
+        # search took a third of this function's time (GPT example, 0.75 s asked: 3.8 s).
         starts = [
             solver_plan(sub, policy, top, SolverInfo(name="ranked", status="feasible", seconds=0.0))
             for policy in ranked
         ]
         least = min([least_peak_regions(sub)[1], *(p.prediction.peak_bytes for p in starts)])
+        if thorough:
+            try:
+                solve_flat(sub, sub.static.resident_bytes, time_limit=per_solve, warm=(), announce=False)
+                least = sub.static.resident_bytes
+            except InfeasibleBudgetError as error:
+                least = min(least, error.min_peak_bytes)
         for k in range(POLICY_BUDGETS):
             budget = least + (top - least) * k // POLICY_BUDGETS
             warm = [p for p in starts if p.prediction.peak_bytes <= budget]
