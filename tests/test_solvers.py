@@ -195,7 +195,9 @@ def test_budget_below_the_least_peak_names_it(solver: str, graph_name: str) -> N
     assert solve(graph, least, solver=solver).prediction.peak_bytes <= least
 
 
-@pytest.mark.parametrize("solver", SOLVERS)
+# ``solve`` resolves the budget before any solver sees it, so the fast solvers cover every form;
+# the slow ones add only CI time (about 17 s).
+@pytest.mark.parametrize("solver", ["sqrt", "dp"])
 def test_budget_forms_resolve_to_the_same_bytes(solver: str) -> None:
     graph = graph_named("uniform24")
     expected = int(0.6 * graph.baseline_peak_bytes)
