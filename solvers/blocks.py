@@ -62,6 +62,10 @@ MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan over
 # lowest budget tried is the least peak the flat ilp finds (GPT-3 at 80 GB: 22.5% overhead,
 # 22.7% from sqrt's least peak).
 THOROUGH_SECONDS = 0.2
+# Below this many seconds per block solve, the ranked policies alone are the candidates: building
+# and solving each small model costs 0.1-0.3 s whatever its limit (a 2-layer Llama: 7 s of
+# block solves for an ilp asked to take 2 s in all).
+MIN_SOLVE_SECONDS = 0.05
 MIN_BLOCK_NODES = 4  # smaller blocks leave nothing to decide inside them: no decomposition
 
 
@@ -172,7 +176,7 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     more favours storing little for the rest of the step). Each solve starts from the ranked
     policies and ``sqrt``'s plan; the least peak is the lowest of theirs. When ``seconds``
     allows ``THOROUGH_SECONDS`` per solve, ``dp``'s plan is a warm start too and the least peak
-    is the flat ilp's."""
+    is the flat ilp's; below ``MIN_SOLVE_SECONDS`` per solve there are no flat solves."""
     from ckptplan.solvers.ilp import warm_plans, solve_flat  # ilp imports this module for large graphs
 
     length = block.end - block.start
@@ -180,6 +184,8 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     found: list[tuple[Region, ...]] = [(), *ranked]
     activation = sum(graph.saved_bytes(i) for i in range(block.start, block.end))
     per_solve = seconds / (len(BALLAST_SHARES) * (POLICY_BUDGETS + 1))
+    if per_solve < MIN_SOLVE_SECONDS:
+        return list(dict.fromkeys(found))
     thorough = per_solve >= THOROUGH_SECONDS
     warm_solvers = ("sqrt", "dp") if thorough else ("sqrt",)
     for share in BALLAST_SHARES:
