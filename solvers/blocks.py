@@ -177,7 +177,7 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     policies and ``sqrt``'s plan; the least peak is the lowest of theirs. When ``seconds``
     allows ``THOROUGH_SECONDS`` per solve, ``dp``'s plan is a warm start too and the least peak
     is the flat ilp's; below ``MIN_SOLVE_SECONDS`` per solve there are no flat solves."""
-    from ckptplan.solvers.ilp import warm_plans, solve_flat  # ilp imports this module for large graphs
+    from ckptplan.solvers.ilp import solve_flat, warm_plans  # ilp imports this module for large graphs
 
     length = block.end - block.start
     ranked = ranked_keep_policies(graph, block)
