@@ -49,7 +49,8 @@ def main() -> None:
     options = parser.parse_args()
     print(f"torch {torch.__version__}; ilp {options.time_limit:g} s; budget: resident + "
           f"{options.fraction:.0%} of the activation bytes\n")
-    print("| width | nodes | status | overhead | regions | kept outputs | recomputed (in regions, not kept; views omitted) |")
+    print("| width | nodes | status | overhead | regions | kept outputs "
+          "| recomputed (in regions, not kept; views omitted) |")
     print("|---|---|---|---|---|---|---|")
     views = {"view", "transpose", "split", "getitem", "contiguous"}
     for width in WIDTHS:

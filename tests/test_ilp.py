@@ -66,11 +66,13 @@ def test_model_cost_equals_the_simulated_cost_with_checkpoint_machinery() -> Non
 def test_model_cost_equals_the_simulated_cost_on_profiled_examples(name: str) -> None:
     """On real graphs (views, dropout masks, multi-output ops, skips) the model's least cost for a
     fixed plan, within its simulated peak, is the simulated cost. The budget matters: without it
-    the model may hold a storage it need not hold and so hide a clause that charges too much."""
+    the model could hold a storage it need not hold, and so hide a term that overcharges a plan
+    for dropping it."""
     example = load_example(name)
     if name == "gpt":
         torch.manual_seed(0)
-        model, args = example.GPT(n_layer=2, block_size=32), (torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32)))
+        ids = torch.randint(0, 256, (2, 32))
+        model, args = example.GPT(n_layer=2, block_size=32), (ids, torch.randint(0, 256, (2, 32)))
     else:
         model, args = example.build()
     graph = ckptplan.profile(model, args)
