@@ -1,6 +1,7 @@
 """profiler: model + example inputs -> ``ComputeGraph``.
 
 ``profile`` traces the model (``torch.export`` by default, ``torch.fx.symbolic_trace`` on request),
+spells out composite kernels the target runs (math-kernel attention, CPU dropout: ``composite``),
 then runs the graph once on fake tensors to record, per op, the bytes it allocates, the bytes
 autograd saves for its backward (hidden tensors such as dropout masks included), forward and
 backward FLOPs, and a roofline time estimate.
@@ -19,6 +20,7 @@ from torch import nn
 
 from ckptplan.errors import CkptPlanError
 from ckptplan.graph import ComputeGraph, Node, TensorSpec
+from ckptplan.profiler.composite import spell_out_composites
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.loss import loss_leaves, training_loss
 from ckptplan.profiler.record import record_graph
@@ -84,6 +86,7 @@ def profile(
     if autocast is not None:
         spec = Autocast.for_model(autocast, model, flat_inputs)
     traced = trace_model(model, args, kwargs, trace, spec)
+    spell_out_composites(traced.gm, target, autocast=spec is not None)
     traced_seconds = time.perf_counter() - started
     own_kernels = "cuda" if device_type == "cuda" else "cpu"
     recording = record_graph(

@@ -1,0 +1,105 @@
+"""Composite kernels spelled out as graph nodes (``profiler/composite.py``): attention's math
+kernel and CPU dropout run as their parts, bitwise as the model runs them, and plans can keep or
+recompute each part with the peak the simulator predicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ckptplan
+from ckptplan.profiler.composite import runs_math_kernel
+
+
+class Attention(nn.Module):
+    """Two attention layers with dropout, masked as ``mask`` says: "causal", "bool" or "float"."""
+
+    def __init__(self, mask: str, width: int = 32, heads: int = 4, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.mask, self.heads, self.dropout = mask, heads, dropout
+        self.qkv = nn.ModuleList([nn.Linear(width, 3 * width) for _ in range(2)])
+        self.proj = nn.ModuleList([nn.Linear(width, width) for _ in range(2)])
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        for qkv, proj in zip(self.qkv, self.proj):
+            q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in qkv(x).split(C, dim=2))
+            mask = {"causal": None, "bool": allowed, "float": torch.where(allowed, 0.0, -1e4)}[self.mask]
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout, is_causal=self.mask == "causal"
+            )  # (B, nh, T, hs)
+            x = x + self.drop(proj(y.transpose(1, 2).reshape(B, T, C)))
+        return x
+
+
+def _inputs(seq: int = 16, width: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    allowed = torch.rand(4, 1, seq, seq) > 0.3
+    allowed[..., 0] = True  # every query attends somewhere
+    return torch.randn(4, seq, width), allowed
+
+
+def _parts(graph: ckptplan.ComputeGraph, prefix: str) -> list[str]:
+    return [n.name for n in graph.nodes if n.name.startswith(prefix)]
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "float"])
+def test_attention_and_dropout_run_as_their_parts_with_the_models_gradients(mask: str) -> None:
+    torch.manual_seed(0)
+    model = Attention(mask)
+    args = _inputs()
+    graph = ckptplan.profile(model, args)
+    assert _parts(graph, "attn_softmax") == ["attn_softmax", "attn_softmax_1"]
+    assert len(_parts(graph, "attn_bias")) == 2
+    assert not any(n.op == "aten.scaled_dot_product_attention.default" for n in graph.nodes)
+    # 2 attention dropouts and 2 residual dropouts, each as noise and product; nothing else random
+    assert sorted(n.name.endswith("_noise") for n in graph.nodes if n.random) == [True] * 4
+    assert len([n for n in graph.nodes if n.name.endswith("_mul")]) == 4
+    # The parts run the kernel's ops with the kernel's random draws: the same bits.
+    result = ckptplan.verify(model, args, ckptplan.make_plan(graph, []), steps=1)
+    assert result.gradients_equal and result.max_grad_error == 0.0
+    assert abs(result.prediction_error) <= 0.03
+
+
+def test_plans_keep_the_softmax_or_recompute_the_dropout_product_within_their_predicted_peak() -> None:
+    torch.manual_seed(0)
+    model = Attention("causal", width=64)
+    args = _inputs(seq=64, width=64)  # (B, nh, T, T) attention matrices dominate the step
+    graph = ckptplan.profile(model, args)
+    at = graph.index_of
+    no_plan = ckptplan.make_plan(graph, []).prediction.peak_bytes
+    # The first layer's attention (the second's backward is the step's peak, which a region
+    # there would raise): recompute only the product of softmax and noise, whose inputs stay
+    # saved; or keep the softmax output and recompute everything else, the noise included.
+    for region in (
+        ckptplan.Region(at["attn_dropout_mul"], at["attn_out"] + 1),
+        ckptplan.Region(at["attn_query"], at["attn_out"] + 1, keep=("attn_softmax",)),
+    ):
+        plan = ckptplan.make_plan(graph, [region])
+        assert plan.prediction.peak_bytes < no_plan
+        result = ckptplan.verify(model, args, plan, steps=1)
+        assert result.gradients_equal and result.max_grad_error == 0.0
+        assert abs(result.prediction_error) <= 0.03
+
+
+def test_what_stays_whole() -> None:
+    torch.manual_seed(0)
+    args = _inputs()
+    # No dropout: the CPU flash kernel runs, saving its output and log-sum-exp; attention stays one node.
+    graph = ckptplan.profile(Attention("causal", dropout=0.0), args)
+    assert not _parts(graph, "attn_") and not _parts(graph, "dropout_noise")
+    # Planned for CUDA kernels (fused dropout, fused attention): dropout and attention stay whole.
+    graph = ckptplan.profile(Attention("causal"), args, target="cuda")
+    assert not _parts(graph, "attn_") and not any(n.name.endswith("_noise") for n in graph.nodes)
+    # Under autocast attention stays whole (its inputs are cast once for the whole kernel).
+    graph = ckptplan.profile(Attention("causal"), args, autocast=torch.bfloat16)
+    assert not _parts(graph, "attn_") and _parts(graph, "dropout")
+
+
+def test_the_math_kernel_probe_asks_pytorch() -> None:
+    q = torch.empty(2, 4, 16, 8)
+    assert runs_math_kernel({"query": q, "key": q, "value": q, "dropout_p": 0.1}, "cpu")
+    assert not runs_math_kernel({"query": q, "key": q, "value": q, "dropout_p": 0.0}, "cpu")
