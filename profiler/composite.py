@@ -153,6 +153,8 @@ def dropout_noise(input: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _spell_out_cpu_dropout(gm: torch.fx.GraphModule) -> int:
+    """Replace each out-of-place training dropout of ``gm`` by ``<name>_noise`` and
+    ``<name>_mul`` nodes; returns how many were replaced. In-place dropout stays whole."""
     replaced = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _aten.dropout.default:
@@ -163,8 +165,9 @@ def _spell_out_cpu_dropout(gm: torch.fx.GraphModule) -> int:
             continue  # no kernel (identity or zeros), or a value known only at run time
         inherited = {name: node.meta[name] for name in _INHERITED_META if name in node.meta}
         with gm.graph.inserting_before(node):
-            noise = gm.graph.create_node("call_function", dropout_noise, (bound["input"], p), name=f"{node.name}_noise")
-            out = gm.graph.create_node("call_function", _aten.mul.Tensor, (bound["input"], noise), name=f"{node.name}_mul")
+            x = bound["input"]
+            noise = gm.graph.create_node("call_function", dropout_noise, (x, p), name=f"{node.name}_noise")
+            out = gm.graph.create_node("call_function", _aten.mul.Tensor, (x, noise), name=f"{node.name}_mul")
         noise.meta.update(inherited)
         out.meta.update(inherited)
         node.replace_all_uses_with(out)
@@ -215,7 +218,8 @@ def _spell_out(graph: torch.fx.Graph, node: torch.fx.Node, call: dict[str, Any])
         key_t = add("key_t", _aten.transpose.int, key, -2, -1)
         scores = add("scores", _aten.matmul.default, scaled_query, add("key", _aten.mul.Scalar, key_t, root))
         if is_causal or attn_mask is not None:
-            scores = add("masked", _aten.add.Tensor, scores, add("bias", attention_bias, query, key, attn_mask, is_causal))
+            bias = add("bias", attention_bias, query, key, attn_mask, is_causal)
+            scores = add("masked", _aten.add.Tensor, scores, bias)
         weights = add("softmax", _aten._safe_softmax.default, scores, -1)
         if dropout_p > 0.0:
             weights = add("dropout", _aten.dropout.default, weights, dropout_p, True)
