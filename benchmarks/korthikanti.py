@@ -120,8 +120,7 @@ WHY = {
         "bf16 noise, not a 1-byte mask",
         (
             "with `--target cpu`, `aten.dropout` takes ATen's unfused CPU path (`_dropout_impl`: "
-            "`empty_like(input).bernoulli_(1-p).div_(1-p)`, then `input * noise`, profiled as a noise node and a "
-            "product node), so `MulBackward0` saves "
+            "`empty_like(input).bernoulli_(1-p).div_(1-p)`, then `input * noise`), so `MulBackward0` saves "
             "the noise in the input's dtype: 2 B/element in bf16. On CUDA (the default target here) the same "
             "op calls `native_dropout`, whose backward saves a bool mask, 1 B/element: the paper's count."
         ),
@@ -223,14 +222,6 @@ def layer_storages(graph: ckptplan.ComputeGraph, layer: int) -> list[int]:
     return list(found)
 
 
-def _op_kind(graph: ckptplan.ComputeGraph, node: ckptplan.graph.Node) -> str:
-    """The op a paper term names: ``aten.matmul.default`` is "matmul"; the product of a CPU
-    dropout spelled out as noise and product (``profiler/composite.py``) is "dropout"."""
-    if node.op == "aten.mul.Tensor" and any(graph.nodes[i].op.endswith(".dropout_noise") for i in node.inputs):
-        return "dropout"
-    return node.op.removeprefix("aten.").split(".")[0]
-
-
 def layer_terms(graph: ckptplan.ComputeGraph, layer: int, shape: Shape) -> tuple[TermRow, ...]:
     """Layer ``layer``'s saved bytes attributed to the node that first saves each storage, matched
     to the paper's terms; savers the paper does not name get a row of their own."""
@@ -242,7 +233,7 @@ def layer_terms(graph: ckptplan.ComputeGraph, layer: int, shape: Shape) -> tuple
         if not _in_layer(node.module, prefix):
             continue
         module = node.module[len(prefix) + 1:]
-        op = _op_kind(graph, node)
+        op = node.op.removeprefix("aten.").split(".")[0]
         fresh = [s for s in node.saved if not graph.storages[s].is_static and s not in seen]
         seen.update(node.saved)
         if not fresh:

@@ -65,6 +65,7 @@ def make_plan(
             sharding=_sharding(graph),
             autocast=graph.autocast,
             target=graph.target,
+            spell_out=graph.spelled_out,
         ),
         budget=budget or BudgetInfo(requested=str(report.peak_bytes), bytes=report.peak_bytes),
         solver=solver or SolverInfo(name="manual", status="feasible", seconds=0.0),

@@ -160,6 +160,9 @@ class ComputeGraph:
     # The device kind whose kernels the recorded bytes follow ("cpu", "cuda"; see
     # ``profiler.profile``), None for graphs not profiled from a model.
     target: str | None = None
+    # True when ``profile(..., spell_out=True)`` ran composite kernels (math-kernel attention,
+    # CPU dropout) as their parts (``profiler.composite``).
+    spelled_out: bool = False
     # Set by ``ckptplan.sharding.shard_graph``: the layout one rank's memory follows, and the
     # static memory before sharding (which the fingerprint keeps using).
     sharding: ShardLayout | None = None

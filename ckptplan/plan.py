@@ -91,7 +91,8 @@ class ModelInfo(_Frozen):
     """The profiled step the plan is for. ``autocast``: the dtype its forward ran under
     ``torch.autocast`` with (None: no autocast); ``target``: the device kind whose kernels its
     bytes follow (``profiler.profile``). Plans written before either existed have None, and were
-    fingerprinted as ``"cpu"`` ones."""
+    fingerprinted as ``"cpu"`` ones. ``spell_out``: its composite kernels ran as their parts
+    (``profile(..., spell_out=True)``)."""
 
     name: str
     fingerprint: str
@@ -100,6 +101,7 @@ class ModelInfo(_Frozen):
     sharding: ShardingInfo | None = None
     autocast: Literal["bfloat16", "float16"] | None = None
     target: Literal["cpu", "cuda"] | None = None
+    spell_out: bool = False
 
 
 class BudgetInfo(_Frozen):

@@ -126,6 +126,13 @@ CostsOpt = Annotated[
         help="What prices recomputation: an A100's datasheet (roofline), or this machine (op times measured on the model's real tensors, and the fixed costs of checkpoint regions; a few seconds more).",
     ),
 ]
+SpellOutOpt = Annotated[
+    bool,
+    typer.Option(
+        "--spell-out",
+        help="Run composite kernels as their parts, each a node plans can keep or recompute: attention that takes PyTorch's math kernel (softmax, dropout, matmuls) and, for cpu, dropout's noise and product. More choices; ilp needs more time for them.",
+    ),
+]
 TargetOpt = Annotated[
     Device | None,
     typer.Option(
@@ -174,6 +181,7 @@ def solve(
     master_dtype: MasterDtypeOpt = None,
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
+    spell_out: SpellOutOpt = False,
     costs: CostsOpt = Costs.a100,
     time_limit: Annotated[
         float | None,
@@ -188,7 +196,9 @@ def solve(
         check_plan_target(out, overwrite=force)
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
         log.info("profiling %s", loaded.source)
-        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs)
+        graph = _profile(
+            loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out
+        )
     log.info("solving %s (%d nodes) with %s", graph.name, len(graph.nodes), solver)
     with _progress(f"solving {graph.name} ({len(graph.nodes)} nodes) with {solver}"):
         plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit)
@@ -215,12 +225,15 @@ def profile(
     master_dtype: MasterDtypeOpt = None,
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
+    spell_out: SpellOutOpt = False,
     costs: CostsOpt = Costs.a100,
 ) -> None:
     """Show where one training step's memory and FLOPs go, per module and per op."""
     with load_model(model) as loaded:
         log.info("profiling %s", loaded.source)
-        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs)
+        graph = _profile(
+            loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out
+        )
     summary = summarize(graph)
     if json_output:
         _write_stdout(json.dumps(summary.to_dict(), indent=2) + "\n")
@@ -292,6 +305,7 @@ def sweep(
     master_dtype: MasterDtypeOpt = None,
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
+    spell_out: SpellOutOpt = False,
     costs: CostsOpt = Costs.a100,
 ) -> None:
     """Solve at several budgets and show the memory/recompute trade-off."""
@@ -305,7 +319,9 @@ def sweep(
         check_plotting()
         check_plan_target(plot, overwrite=True)
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
-        graph = _profile(loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs)
+        graph = _profile(
+            loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out
+        )
     with _progress(f"solving {graph.name} at {len(requested)} budgets"):
         points = run_sweep(graph, requested, solver=solver)
     if plot is not None:
@@ -352,6 +368,7 @@ def _profile(
     autocast: str | None,
     target: Device | None,
     costs: Costs,
+    spell_out: bool,
 ) -> ComputeGraph:
     """Profile the loaded model as the options (or, where they are silent, its file's
     ``TRAINING`` defaults, which the loader has checked) describe its training step."""
@@ -376,7 +393,7 @@ def _profile(
     return ckptplan.profile(
         loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=optimizer_name, shard=shard,
         autocast=getattr(torch, autocast) if autocast is not None else None, target=target_name,
-        roofline=roofline, measure_times=costs == Costs.here,
+        roofline=roofline, measure_times=costs == Costs.here, spell_out=spell_out,
     )
 
 

@@ -29,13 +29,15 @@ def checkpoint(
     shard: ShardSpec | None = None,
     autocast: torch.dtype | None = None,
     target: Target | None = None,
+    spell_out: bool = False,
 ) -> CheckpointedModule:
     """Profile ``model``, solve for ``budget`` and return the rewritten module (``plan`` attached
     as ``module.ckptplan_plan``). ``shard``: plan one rank of a sharded step (``ckptplan.sharding``).
-    ``autocast``, ``target``: as ``profile`` takes them; with ``autocast``, run the module's
-    forward and loss under ``torch.autocast`` with that dtype and its backward outside it."""
+    ``autocast``, ``target``, ``spell_out``: as ``profile`` takes them; with ``autocast``, run the
+    module's forward and loss under ``torch.autocast`` with that dtype and its backward outside it."""
     graph = profile(
-        model, args, kwargs, trace=trace, optimizer=optimizer, shard=shard, autocast=autocast, target=target
+        model, args, kwargs, trace=trace, optimizer=optimizer, shard=shard, autocast=autocast, target=target,
+        spell_out=spell_out,
     )
     plan = solve(graph, budget, solver=solver, time_limit=time_limit)
     module = emit(graph, plan)
@@ -56,7 +58,8 @@ def apply(
 
     The model is profiled as the plan's step was: under its autocast dtype (run the module's
     forward and loss under ``torch.autocast`` with it, as that step did) and for its target's
-    kernels (a plan made on ``meta`` for ``"cuda"`` applies to the model on a GPU, or on CPU).
+    kernels (a plan made on ``meta`` for ``"cuda"`` applies to the model on a GPU, or on CPU),
+    with its composite kernels spelled out if they were.
     A plan made for a sharded step (``plan.model.sharding``) is emitted for the same shard
     units, so that ``fully_shard`` on the model's blocks composes with the result. In a
     distributed job, solve once and give every rank the same plan file: each rank then runs
@@ -70,6 +73,7 @@ def apply(
     graph = profile(
         model, args, kwargs, trace=trace or "export", optimizer=optimizer, shard=shard, autocast=autocast,
         target=plan.model.target or "cpu",  # plans from before targets were fingerprinted as CPU ones
+        spell_out=plan.model.spell_out,
     )
     if graph.fingerprint != plan.model.fingerprint:
         raise FingerprintMismatchError(

@@ -1,7 +1,7 @@
 """profiler: model + example inputs -> ``ComputeGraph``.
 
 ``profile`` traces the model (``torch.export`` by default, ``torch.fx.symbolic_trace`` on request),
-spells out composite kernels the target runs (math-kernel attention, CPU dropout: ``composite``),
+optionally spells out composite kernels (math-kernel attention, CPU dropout: ``composite``),
 then runs the graph once on fake tensors to record, per op, the bytes it allocates, the bytes
 autograd saves for its backward (hidden tensors such as dropout masks included), forward and
 backward FLOPs, and a roofline time estimate.
@@ -47,6 +47,7 @@ def profile(
     autocast: torch.dtype | None = None,
     target: Target | None = None,
     measure_times: bool = False,
+    spell_out: bool = False,
 ) -> ComputeGraph:
     """Trace ``model(*args, **kwargs)`` for one training step and annotate it for planning.
 
@@ -75,6 +76,10 @@ def profile(
     real tensors and price each op by its measured time (each op's backward by the roofline's
     backward-to-forward ratio, all of them scaled to the measured backward): for plans that
     will run on the machine profiling them.
+    ``spell_out``: run composite kernels of the target as their parts, each a node a plan can keep
+    or recompute (``profiler.composite``: attention that takes PyTorch's math kernel, and CPU
+    dropout as noise and product), bitwise as the kernels run. More nodes give plans more
+    choices and the solvers more work: at short time limits ``ilp`` then searches less.
     """
     autocast_name = _autocast_name(autocast)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
@@ -86,7 +91,8 @@ def profile(
     if autocast is not None:
         spec = Autocast.for_model(autocast, model, flat_inputs)
     traced = trace_model(model, args, kwargs, trace, spec)
-    spell_out_composites(traced.gm, target, autocast=spec is not None)
+    if spell_out:
+        spell_out_composites(traced.gm, target, autocast=spec is not None)
     traced_seconds = time.perf_counter() - started
     own_kernels = "cuda" if device_type == "cuda" else "cpu"
     recording = record_graph(
@@ -115,6 +121,7 @@ def profile(
         trace=traced.mode,
         autocast=autocast_name,
         target=target,
+        spelled_out=spell_out,
         traced=traced.gm,
         model=model,
     )

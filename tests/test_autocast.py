@@ -71,19 +71,14 @@ def assert_close(predicted: int, measured: int, what: str) -> None:
 def test_linear_outputs_and_weight_casts_are_saved_in_bfloat16(model_and_graphs: Graphs) -> None:
     model, _, fp32, bf16 = model_and_graphs
     assert bf16.autocast == "bfloat16" and fp32.autocast is None
-    # Under autocast the math-kernel attention stays one node (its casts apply to it as a whole,
-    # profiler/composite.py); the other nodes pair up by name.
-    assert any(n.name.startswith("attn_") for n in fp32.nodes)
-    assert not any(n.name.startswith("attn_") for n in bf16.nodes)
-    mixed_by_name = {n.name: n for n in bf16.nodes}
-    pairs = [(a, mixed_by_name[a.name]) for a in fp32.nodes if a.name in mixed_by_name]
-    linears = [(a, b) for a, b in pairs if a.op == "aten.linear.default"]
+    assert [n.name for n in bf16.nodes] == [n.name for n in fp32.nodes]
+    linears = [(a, b) for a, b in zip(fp32.nodes, bf16.nodes) if a.op == "aten.linear.default"]
     assert linears
     for full, mixed in linears:  # autocast runs linear in bfloat16: half the bytes, and its gradient
         assert mixed.output_bytes * 2 == full.output_bytes, mixed.name
         assert [bf16.storages[s].nbytes * 2 for s in mixed.outputs] == [fp32.storages[s].nbytes for s in full.outputs]
     # CPU autocast leaves layer_norm alone: its float32 input stays float32.
-    norms = [(a, b) for a, b in pairs if a.op == "aten.layer_norm.default"]
+    norms = [(a, b) for a, b in zip(fp32.nodes, bf16.nodes) if a.op == "aten.layer_norm.default"]
     assert norms and all(a.output_bytes == b.output_bytes for a, b in norms)
     # The first qkv linear saves autocast's bfloat16 copy of its weight, made by that op.
     qkv = next(b for _, b in linears if b.module == "blocks.0.attn.qkv")

@@ -1,8 +1,11 @@
-"""Composite kernels spelled out as graph nodes (``profiler/composite.py``): attention's math
-kernel and CPU dropout run as their parts, bitwise as the model runs them, and plans can keep or
-recompute each part with the peak the simulator predicts."""
+"""Composite kernels spelled out as graph nodes (``profile(..., spell_out=True)``,
+``profiler/composite.py``): attention's math kernel and CPU dropout run as their parts, bitwise as
+the model runs them, and plans can keep or recompute each part with the peak the simulator
+predicts."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ckptplan
+from ckptplan.cli.main import app
 from ckptplan.profiler.composite import runs_math_kernel
 
 
@@ -51,7 +55,9 @@ def test_attention_and_dropout_run_as_their_parts_with_the_models_gradients(mask
     torch.manual_seed(0)
     model = Attention(mask)
     args = _inputs()
-    graph = ckptplan.profile(model, args)
+    assert not _parts(ckptplan.profile(model, args), "attn_")  # whole unless asked
+    graph = ckptplan.profile(model, args, spell_out=True)
+    assert graph.spelled_out
     assert _parts(graph, "attn_softmax") == ["attn_softmax", "attn_softmax_1"]
     assert len(_parts(graph, "attn_bias")) == 2
     assert not any(n.op == "aten.scaled_dot_product_attention.default" for n in graph.nodes)
@@ -68,7 +74,7 @@ def test_plans_keep_the_softmax_or_recompute_the_dropout_product_within_their_pr
     torch.manual_seed(0)
     model = Attention("causal", width=64)
     args = _inputs(seq=64, width=64)  # (B, nh, T, T) attention matrices dominate the step
-    graph = ckptplan.profile(model, args)
+    graph = ckptplan.profile(model, args, spell_out=True)
     at = graph.index_of
     no_plan = ckptplan.make_plan(graph, []).prediction.peak_bytes
     # The first layer's attention (the second's backward is the step's peak, which a region
@@ -80,6 +86,8 @@ def test_plans_keep_the_softmax_or_recompute_the_dropout_product_within_their_pr
     ):
         plan = ckptplan.make_plan(graph, [region])
         assert plan.prediction.peak_bytes < no_plan
+        # the plan says so, and applying it profiles the model the same way (verify applies it)
+        assert ckptplan.Plan.from_json(plan.to_json()).model.spell_out
         result = ckptplan.verify(model, args, plan, steps=1)
         assert result.gradients_equal and result.max_grad_error == 0.0
         assert abs(result.prediction_error) <= 0.03
@@ -89,13 +97,13 @@ def test_what_stays_whole() -> None:
     torch.manual_seed(0)
     args = _inputs()
     # No dropout: the CPU flash kernel runs, saving its output and log-sum-exp; attention stays one node.
-    graph = ckptplan.profile(Attention("causal", dropout=0.0), args)
+    graph = ckptplan.profile(Attention("causal", dropout=0.0), args, spell_out=True)
     assert not _parts(graph, "attn_") and not _parts(graph, "dropout_noise")
     # Planned for CUDA kernels (fused dropout, fused attention): dropout and attention stay whole.
-    graph = ckptplan.profile(Attention("causal"), args, target="cuda")
+    graph = ckptplan.profile(Attention("causal"), args, target="cuda", spell_out=True)
     assert not _parts(graph, "attn_") and not any(n.name.endswith("_noise") for n in graph.nodes)
     # Under autocast attention stays whole (its inputs are cast once for the whole kernel).
-    graph = ckptplan.profile(Attention("causal"), args, autocast=torch.bfloat16)
+    graph = ckptplan.profile(Attention("causal"), args, autocast=torch.bfloat16, spell_out=True)
     assert not _parts(graph, "attn_") and _parts(graph, "dropout")
 
 
@@ -103,3 +111,27 @@ def test_the_math_kernel_probe_asks_pytorch() -> None:
     q = torch.empty(2, 4, 16, 8)
     assert runs_math_kernel({"query": q, "key": q, "value": q, "dropout_p": 0.1}, "cpu")
     assert not runs_math_kernel({"query": q, "key": q, "value": q, "dropout_p": 0.0}, "cpu")
+
+
+MODEL_FILE = """
+import torch  # imported before CliRunner runs (see test_cli.py)
+from tests.test_composite import Attention, _inputs
+
+def build():
+    torch.manual_seed(0)
+    return Attention("causal"), _inputs()
+"""
+
+
+def test_cli_spell_out_flag(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    model_file = tmp_path / "model.py"
+    model_file.write_text(MODEL_FILE)
+    runner = CliRunner()
+    whole = runner.invoke(app, ["profile", str(model_file), "--json"])
+    parts = runner.invoke(app, ["profile", str(model_file), "--json", "--spell-out"])
+    assert whole.exit_code == 0 and parts.exit_code == 0, whole.output + parts.output
+    ops = [{row["op"] for row in json.loads(result.stdout)["by_op"]} for result in (whole, parts)]
+    assert "aten._safe_softmax.default" in ops[1] - ops[0]
+    assert "aten.scaled_dot_product_attention.default" in ops[0] - ops[1]
