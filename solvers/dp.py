@@ -42,7 +42,8 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 from ckptplan.build import solver_plan
 from ckptplan.errors import InfeasibleBudgetError
@@ -264,6 +265,9 @@ def solve_dp(
     model overstates merged stages, so it may fit where the curve says nothing does); below
     every such plan ``InfeasibleBudgetError`` names the least of their simulated peaks, a budget
     at which this solver does return a plan.
+
+    The chains, their curves and least-peak plans do not depend on the budget: they are kept
+    with the graph (``_CURVES``), so later solves of it are a lookup and a simulated plan.
     """
     started = time.perf_counter()
     if budget_bytes >= graph.baseline_peak_bytes:  # storing everything is free and fits
@@ -274,15 +278,16 @@ def solve_dp(
             SolverInfo(name="dp", status="optimal", seconds=time.perf_counter() - started, gap=0.0,
                               note="the budget holds the step without checkpointing"),
         )
-    chains = candidate_chains(graph)
+    memo = _graph_curves(graph)
+    chains = memo.chains
     curves: list[CostCurve] = []
     best: _Found | None = None
     least_bytes = graph.baseline_peak_bytes
-    for chain in chains:
+    for index in range(len(chains)):
         if best is not None and time_limit is not None and time.perf_counter() - started > time_limit:
             break
-        curves.append(chain_curve(graph, chain, mem_unit))
-        least = _least(graph, curves[-1])
+        curve, least = memo.curve(graph, index, mem_unit)
+        curves.append(curve)
         if least is not None:
             least_bytes = min(least_bytes, least.report.peak_bytes)
         # The chain's model is conservative on merged stages: its least-peak plan may fit a
@@ -323,6 +328,35 @@ def solve_dp(
         ),
         report=best.report,
     )
+
+
+@dataclass
+class _GraphCurves:
+    """What ``solve_dp`` computes for a graph whatever the budget: its candidate stage chains,
+    and per (chain index, ``mem_unit``) the chain's cost curve and least-peak plan."""
+
+    chains: list[Chain]
+    curves: dict[tuple[int, int | None], tuple[CostCurve, _Found | None]] = field(default_factory=dict)
+
+    def curve(self, graph: ComputeGraph, index: int, mem_unit: int | None) -> tuple[CostCurve, _Found | None]:
+        key = (index, mem_unit)
+        if key not in self.curves:
+            curve = chain_curve(graph, self.chains[index], mem_unit)
+            self.curves[key] = (curve, _least(graph, curve))
+        return self.curves[key]
+
+
+# Per graph (equal graphs share an entry; it goes when the graph does): ``ilp`` and ``auto``
+# start from ``dp``'s plan, and a sweep or a comparison solves one graph at many budgets, so the
+# budget-independent half of every dp solve after the first is a lookup.
+_CURVES: weakref.WeakKeyDictionary[ComputeGraph, _GraphCurves] = weakref.WeakKeyDictionary()
+
+
+def _graph_curves(graph: ComputeGraph) -> _GraphCurves:
+    found = _CURVES.get(graph)
+    if found is None:
+        found = _CURVES[graph] = _GraphCurves(candidate_chains(graph))
+    return found
 
 
 def _checked(graph: ComputeGraph, curve: CostCurve, budget_bytes: int) -> _Found | None:
