@@ -1,0 +1,147 @@
+"""What ``--spell-out`` buys on CPU, and what checkpointing's fixed costs are on a real layer.
+
+    python benchmarks/spell_out.py [--budget-mib 28.6] [--repeats 15]
+
+On ``benchmarks/compare.py``'s BERT classifier (scaled-dot-product attention with dropout, so
+the math kernel on CPU) profiled as compare.py does (``--costs here``), ``ilp`` plans at one
+budget (default: the peak torch.compile measured at ``activation_memory_budget=0.8`` there)
+with the kernels whole and spelled out, at compare.py's 6 s and at the default 60 s. Each plan
+is run as compare.py measures a point: MemTracker peak, extra matmul FLOPs (``FlopCounterMode``),
+step time over the no-checkpoint step's (median of ``repeats`` interleaved steps), gradients.
+
+Then the fixed costs ``--costs here`` charges per region and per op under a selective policy
+(``measure_roofline``, timed on a tiny chain) against what they are on this model: four regions,
+one per layer, each around the layer's 512→128 ``linear`` (recomputed), the same keeping its
+output (nothing recomputed: the policy's cost alone), and around an ``add`` that saves nothing
+(never recomputed: the region's cost alone); forward and backward timed apart, per region.
+Prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import ckptplan
+from ckptplan import Region
+from ckptplan.profiler.loss import training_loss
+
+import compare  # benchmarks/compare.py: its BERT, its cost model and its measurement
+
+MIB = 2**20
+TIME_LIMITS = (6.0, 60.0)  # compare.py's per-solve limit; the default
+
+
+def matmul_flops(module: torch.nn.Module, work: compare.Workload) -> int:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        compare._step(module, work)
+    return counter.get_total_flops()
+
+
+def plan_rows(work: compare.Workload, budget: int, repeats: int) -> list[str]:
+    reference = compare._grads(work.model)
+    base_flops = matmul_flops(work.model, work)
+    rows = []
+    for spell_out in (False, True):
+        graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=compare.host_roofline(),
+                                 measure_times=True, spell_out=spell_out)
+        dp = ckptplan.solve(graph, budget, solver="dp")
+        for limit in TIME_LIMITS:
+            started = time.perf_counter()
+            plan = ckptplan.solve(graph, budget, solver="ilp", time_limit=limit)
+            seconds = time.perf_counter() - started
+            metrics = compare.measure(ckptplan.emit(graph, plan), work.model, work, reference, repeats)
+            flops = matmul_flops(ckptplan.emit(graph, plan), work)
+            rows.append(compare_row(
+                "spelled out" if spell_out else "whole", len(graph.nodes), limit, seconds, plan,
+                plan.regions == dp.regions, metrics, flops / base_flops - 1,
+            ))
+    return rows
+
+
+def compare_row(kernels: str, nodes: int, limit: float, seconds: float, plan: ckptplan.Plan, as_dp: bool,
+                metrics: compare.Metrics, extra_flops: float) -> str:
+    return (f"| {kernels} | {nodes} | {limit:g} s | {seconds:.1f} | {plan.prediction.overhead:.3f} | "
+            f"{'yes' if as_dp else 'no'} | {plan.prediction.peak_bytes / MIB:.1f} | {metrics.peak_bytes / MIB:.1f} | "
+            f"{extra_flops * 100:+.1f} | {metrics.time_ratio:.2f} | {metrics.grads} |")
+
+
+def region_costs(work: compare.Workload, repeats: int) -> tuple[ckptplan.ComputeGraph, list[str]]:
+    graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=compare.host_roofline())
+    at = graph.index_of
+    linears = [n.name for n in graph.nodes if n.op == "aten.linear.default" and n.inputs and
+               graph.nodes[n.inputs[0]].op == "aten.gelu.default"]  # each layer's 512→128 projection
+    adds = [n.name for n in graph.nodes if n.op == "aten.add.Tensor" and not graph.saved_bytes(n.index)][:len(linears)]
+    plans = {
+        "none": [],
+        "around each linear (recomputed)": [Region(at[n], at[n] + 1) for n in linears],
+        "around each linear, keeping it": [Region(at[n], at[n] + 1, keep=(n,)) for n in linears],
+        "around an add that saves nothing": [Region(at[n], at[n] + 1) for n in adds],
+    }
+    modules = {name: ckptplan.emit(graph, regions) for name, regions in plans.items()}
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in plans}
+    for _ in range(2):  # warm-up
+        for module in modules.values():
+            _timed_halves(module, work)
+    for _ in range(max(repeats, 1) * 3):
+        for name, module in modules.items():
+            forward, backward = _timed_halves(module, work)
+            times[name][0].append(forward)
+            times[name][1].append(backward)
+    base = [statistics.median(t) for t in times["none"]]
+    rows = []
+    for name, regions in plans.items():
+        if not regions:
+            continue
+        fwd, bwd = (statistics.median(t) - b for t, b in zip(times[name], base))
+        report = ckptplan.simulate(graph, regions)
+        rows.append(f"| {name} | {len(regions)} | {fwd / len(regions) * 1e3:.2f} | {bwd / len(regions) * 1e3:.2f} | "
+                    f"{report.recompute_seconds / len(regions) * 1e3:.2f} | "
+                    f"{report.checkpoint_seconds / len(regions) * 1e3:.2f} |")
+    return graph, rows
+
+
+def _timed_halves(module: torch.nn.Module, work: compare.Workload) -> tuple[float, float]:
+    for p in module.parameters():
+        p.grad = None
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    loss = training_loss(module(*work.args, **work.kwargs))
+    middle = time.perf_counter()
+    loss.backward()
+    return middle - started, time.perf_counter() - middle
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-mib", type=float, default=28.6)
+    parser.add_argument("--repeats", type=int, default=15)
+    options = parser.parse_args()
+    torch.set_num_threads(1)
+    work = compare.CASES["bert"].build()
+    work.model.train()
+    compare._step(work.model, work)
+    budget = int(options.budget_mib * MIB)
+    print(f"{compare.machine_line(1)}; {compare.CASES['bert'].title}; budget {options.budget_mib:g} MiB\n")
+    print("| kernels | nodes | ilp limit | ilp s | predicted overhead | dp's plan | predicted peak MiB | "
+          "measured peak MiB | extra matmul FLOPs % | step time ratio | gradients equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in plan_rows(work, budget, options.repeats):
+        print(row)
+    graph, rows = region_costs(work, options.repeats)
+    print(f"\nCharged per region {graph.region_cost * 1e3:.2f} ms, per node under a selective policy "
+          f"{graph.policy_op_cost * 1e3:.3f} ms (twice: forward and recompute); measured per region, "
+          "medians of interleaved steps against the plan without regions:\n")
+    print("| regions | count | forward ms | backward ms | predicted recompute ms | charged fixed ms |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
