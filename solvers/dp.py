@@ -42,7 +42,6 @@ import logging
 import math
 import sys
 import time
-import weakref
 from dataclasses import dataclass, field
 
 from ckptplan.build import solver_plan
@@ -52,6 +51,7 @@ from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.chain import SKIP_SHARE, Chain, build_chain, stage_starts
 from ckptplan.solvers.dp_curve import CostCurve, StageUnits, cost_curve
+from ckptplan.solvers.memo import graph_memo
 from ckptplan.solvers.registry import register
 from ckptplan.solvers.sqrt import solve_sqrt
 from ckptplan.units import describe_bytes
@@ -267,7 +267,7 @@ def solve_dp(
     at which this solver does return a plan.
 
     The chains, their curves and least-peak plans do not depend on the budget: they are kept
-    with the graph (``_CURVES``), so later solves of it are a lookup and a simulated plan.
+    with the graph (``solvers.memo``), so later solves of it are a lookup and a simulated plan.
     """
     started = time.perf_counter()
     if budget_bytes >= graph.baseline_peak_bytes:  # storing everything is free and fits
@@ -278,7 +278,7 @@ def solve_dp(
             SolverInfo(name="dp", status="optimal", seconds=time.perf_counter() - started, gap=0.0,
                               note="the budget holds the step without checkpointing"),
         )
-    memo = _graph_curves(graph)
+    memo = graph_memo(graph, "dp", lambda: _GraphCurves(candidate_chains(graph)))
     chains = memo.chains
     curves: list[CostCurve] = []
     best: _Found | None = None
@@ -344,19 +344,6 @@ class _GraphCurves:
             curve = chain_curve(graph, self.chains[index], mem_unit)
             self.curves[key] = (curve, _least(graph, curve))
         return self.curves[key]
-
-
-# Per graph (equal graphs share an entry; it goes when the graph does): ``ilp`` and ``auto``
-# start from ``dp``'s plan, and a sweep or a comparison solves one graph at many budgets, so the
-# budget-independent half of every dp solve after the first is a lookup.
-_CURVES: weakref.WeakKeyDictionary[ComputeGraph, _GraphCurves] = weakref.WeakKeyDictionary()
-
-
-def _graph_curves(graph: ComputeGraph) -> _GraphCurves:
-    found = _CURVES.get(graph)
-    if found is None:
-        found = _CURVES[graph] = _GraphCurves(candidate_chains(graph))
-    return found
 
 
 def _checked(graph: ComputeGraph, curve: CostCurve, budget_bytes: int) -> _Found | None:

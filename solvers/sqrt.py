@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 
 from ckptplan.build import solver_plan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import Report, simulate
+from ckptplan.solvers.memo import graph_memo
 from ckptplan.solvers.registry import register
 from ckptplan.units import describe_bytes
 
@@ -73,8 +75,9 @@ def solve_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     n = len(graph.nodes)
     best: tuple[float, int, tuple[Region, ...], Report] | None = None
     least_peak = None
-    for regions in _candidates(graph):
-        report = simulate(graph, regions)
+    scored = _scored(graph)
+    for k, regions in enumerate(scored.candidates):
+        report = scored.report(graph, k)
         least_peak = report.peak_bytes if least_peak is None else min(least_peak, report.peak_bytes)
         if report.peak_bytes > budget_bytes:
             continue
@@ -109,9 +112,28 @@ def solve_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
 def least_peak_regions(graph: ComputeGraph) -> tuple[tuple[Region, ...], int]:
     """The candidate with the least simulated peak, and that peak: a one-level plan that
     searches for the least peak start from (no checkpointing when nothing beats it)."""
-    scored = [(simulate(graph, regions).peak_bytes, k, regions) for k, regions in enumerate(_candidates(graph))]
-    peak, _, regions = min(scored)
+    scored = _scored(graph)
+    peaks = [(scored.report(graph, k).peak_bytes, k, regions) for k, regions in enumerate(scored.candidates)]
+    peak, _, regions = min(peaks)
     return regions, peak
+
+
+@dataclass
+class _Scored:
+    """``_candidates(graph)`` and the simulated reports of as many of them as were asked for:
+    none depends on the budget, so they are kept with the graph (``solvers.memo``)."""
+
+    candidates: list[tuple[Region, ...]]
+    reports: list[Report] = field(default_factory=list)
+
+    def report(self, graph: ComputeGraph, k: int) -> Report:
+        while len(self.reports) <= k:
+            self.reports.append(simulate(graph, self.candidates[len(self.reports)]))
+        return self.reports[k]
+
+
+def _scored(graph: ComputeGraph) -> _Scored:
+    return graph_memo(graph, "sqrt", lambda: _Scored(_candidates(graph)))
 
 
 def _candidates(graph: ComputeGraph) -> list[tuple[Region, ...]]:

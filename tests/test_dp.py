@@ -247,18 +247,22 @@ def test_graphs_with_skips_dp_never_costs_more_than_sqrt_and_its_least_peak_is_r
         assert dp_plan.prediction.cost_seconds <= sqrt_plan.prediction.cost_seconds
 
 
-def test_later_solves_of_a_graph_reuse_its_curves_and_give_a_fresh_solve_s_plans() -> None:
-    """``solve_dp`` keeps each graph's budget-independent work (``dp._CURVES``); the plans it
-    then gives at other budgets are those a solve of an equal, fresh graph gives."""
-    from ckptplan.solvers import dp
+def test_later_solves_of_a_graph_reuse_its_budget_independent_work_and_give_a_fresh_solve_s_plans() -> None:
+    """``dp`` and ``sqrt`` keep each graph's budget-independent work (``solvers.memo``); the
+    plans they then give at other budgets are those of solves with nothing kept."""
+    from ckptplan.solvers import memo
 
     unet, args = load_example("unet").build(batch=1)
     graph = ckptplan.profile(unet, args)
-    first = solve_dp(graph, int(graph.baseline_peak_bytes * 0.7))
-    memo = dp._CURVES[graph]
-    assert memo.curves
-    later = [solve_dp(graph, int(graph.baseline_peak_bytes * f)) for f in (0.6, 0.8)]
-    assert dp._CURVES[graph] is memo
-    dp._CURVES.clear()
-    fresh = [solve_dp(graph, int(graph.baseline_peak_bytes * f)) for f in (0.7, 0.6, 0.8)]
-    assert [p.regions for p in fresh] == [p.regions for p in (first, *later)]
+    fractions = (0.7, 0.6, 0.8)
+    budgets = [int(graph.baseline_peak_bytes * f) for f in fractions]
+    kept = [solver(graph, b) for b in budgets for solver in (solve_dp, solve_sqrt)]
+    entries = memo._MEMO[graph]
+    assert set(entries) == {"dp", "sqrt"}
+    memo.forget()
+    fresh = []
+    for budget in budgets:
+        for solver in (solve_dp, solve_sqrt):
+            fresh.append(solver(graph, budget))
+            memo.forget()
+    assert [p.regions for p in fresh] == [p.regions for p in kept]
