@@ -55,8 +55,9 @@ def plan_rows(work: compare.Workload, budget: int, repeats: int) -> list[str]:
             started = time.perf_counter()
             plan = ckptplan.solve(graph, budget, solver="ilp", time_limit=limit)
             seconds = time.perf_counter() - started
-            metrics = compare.measure(ckptplan.emit(graph, plan), work.model, work, reference, repeats)
-            flops = matmul_flops(ckptplan.emit(graph, plan), work)
+            module = ckptplan.emit(graph, plan)
+            metrics = compare.measure(module, work.model, work, reference, repeats)
+            flops = matmul_flops(module, work)
             rows.append(compare_row(
                 "spelled out" if spell_out else "whole", len(graph.nodes), limit, seconds, plan,
                 plan.regions == dp.regions, metrics, flops / base_flops - 1,

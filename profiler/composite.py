@@ -163,7 +163,7 @@ def _spell_out_cpu_dropout(gm: torch.fx.GraphModule) -> int:
         p, train = bound.get("p"), bound.get("train")
         if not (isinstance(p, float) and 0.0 < p < 1.0 and train is True):
             continue  # no kernel (identity or zeros), or a value known only at run time
-        inherited = {name: node.meta[name] for name in _INHERITED_META if name in node.meta}
+        inherited = _inherited_meta(node)
         with gm.graph.inserting_before(node):
             x = bound["input"]
             noise = gm.graph.create_node("call_function", dropout_noise, (x, p), name=f"{node.name}_noise")
@@ -176,6 +176,10 @@ def _spell_out_cpu_dropout(gm: torch.fx.GraphModule) -> int:
     if replaced:
         log.info("spelled out %d CPU dropout call(s) as noise and product", replaced)
     return replaced
+
+
+def _inherited_meta(node: torch.fx.Node) -> dict[str, Any]:
+    return {name: node.meta[name] for name in _INHERITED_META if name in node.meta}
 
 
 def _spell_out_math_attention(gm: torch.fx.GraphModule, device: str) -> int:
@@ -206,7 +210,7 @@ def _spell_out(graph: torch.fx.Graph, node: torch.fx.Node, call: dict[str, Any])
         scale = 1.0 / math.sqrt(call["query"].shape[-1])
     # The kernel scales query and key by √scale each, for stability in low precision.
     root = math.sqrt(scale)
-    inherited = {name: node.meta[name] for name in _INHERITED_META if name in node.meta}
+    inherited = _inherited_meta(node)
 
     def add(name: str, target: Any, *args: Any) -> torch.fx.Node:
         new = graph.create_node("call_function", target, args, name=f"attn_{name}")
