@@ -1,6 +1,6 @@
 """What ``--spell-out`` buys on CPU, and what checkpointing's fixed costs are on a real layer.
 
-    python benchmarks/spell_out.py [--budget-mib 28.6] [--repeats 15]
+    python benchmarks/spell_out.py [--budget-mib 28.6] [--repeats 15] [--sections plans,costs,pricing]
 
 On ``benchmarks/compare.py``'s BERT classifier (scaled-dot-product attention with dropout, so
 the math kernel on CPU) profiled as compare.py does (``--costs here``), ``ilp`` plans at one
@@ -14,12 +14,14 @@ Then the fixed costs ``--costs here`` charges per region and per op under a sele
 one per layer, each around the layer's 512→128 ``linear`` (recomputed), the same keeping its
 output (nothing recomputed: the policy's cost alone), and around an ``add`` that saves nothing
 (never recomputed: the region's cost alone); forward and backward timed apart, per region.
-Prints Markdown.
+Last, what the default A100 prices say a composite kernel costs, whole and spelled out: the
+GPT example's first attention and the whole step. Prints Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
 
@@ -33,6 +35,7 @@ from ckptplan.profiler.loss import training_loss
 import compare  # benchmarks/compare.py: its BERT, its cost model and its measurement
 
 MIB = 2**20
+SECTIONS = ("plans", "costs", "pricing")
 TIME_LIMITS = (6.0, 60.0)  # compare.py's per-solve limit; the default
 
 
@@ -107,6 +110,25 @@ def region_costs(work: compare.Workload, repeats: int) -> tuple[ckptplan.Compute
     return graph, rows
 
 
+def pricing_rows() -> list[str]:
+    """The GPT example (default shapes, CPU kernels) profiled whole and spelled out under the
+    default A100 roofline: its first attention's forward price and the step's."""
+    spec = importlib.util.spec_from_file_location("gpt_example", compare.EXAMPLES / "gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model, args = example.build()[:2]
+    whole = ckptplan.profile(model, args)
+    parts = ckptplan.profile(model, args, spell_out=True)
+    attention = whole.node("scaled_dot_product_attention")
+    spelled = [n for n in parts.nodes if n.index < parts.index_of["attn_out"] + 1 and n.module == attention.module
+               and (n.name.startswith("attn_") or n.name.startswith("dropout_"))]
+    return [
+        f"| whole | `{attention.name}` | {attention.fwd_cost * 1e6:.1f} | {whole.step_cost * 1e3:.2f} |",
+        f"| spelled out | {', '.join(f'`{n.name}`' for n in spelled)} | "
+        f"{sum(n.fwd_cost for n in spelled) * 1e6:.1f} | {parts.step_cost * 1e3:.2f} |",
+    ]
+
+
 def _timed_halves(module: torch.nn.Module, work: compare.Workload) -> tuple[float, float]:
     for p in module.parameters():
         p.grad = None
@@ -122,19 +144,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-mib", type=float, default=28.6)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="which tables, of " + ", ".join(SECTIONS))
     options = parser.parse_args()
+    sections = options.sections.split(",")
     torch.set_num_threads(1)
-    work = compare.CASES["bert"].build()
-    work.model.train()
-    compare._step(work.model, work)
-    budget = int(options.budget_mib * MIB)
-    print(f"{compare.machine_line(1)}; {compare.CASES['bert'].title}; budget {options.budget_mib:g} MiB\n")
+    print(compare.machine_line(1))
+    if "plans" in sections or "costs" in sections:
+        work = compare.CASES["bert"].build()
+        work.model.train()
+        compare._step(work.model, work)
+        print(f"\n{compare.CASES['bert'].title}; budget {options.budget_mib:g} MiB\n")
+        if "plans" in sections:
+            print_plans(work, int(options.budget_mib * MIB), options.repeats)
+        if "costs" in sections:
+            print_costs(work, options.repeats)
+    if "pricing" in sections:
+        print("\nThe GPT example (examples/gpt.py, default shapes, CPU kernels) under the default A100 prices:\n")
+        print("| kernels | attention's nodes (layer 0) | forward µs | step ms (forward + backward) |")
+        print("|---|---|---|---|")
+        for row in pricing_rows():
+            print(row)
+
+
+def print_plans(work: compare.Workload, budget: int, repeats: int) -> None:
     print("| kernels | nodes | ilp limit | ilp s | predicted overhead | dp's plan | predicted peak MiB | "
           "measured peak MiB | extra matmul FLOPs % | step time ratio | gradients equal |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in plan_rows(work, budget, options.repeats):
+    for row in plan_rows(work, budget, repeats):
         print(row)
-    graph, rows = region_costs(work, options.repeats)
+
+
+def print_costs(work: compare.Workload, repeats: int) -> None:
+    graph, rows = region_costs(work, repeats)
     print(f"\nCharged per region {graph.region_cost * 1e3:.2f} ms, per node under a selective policy "
           f"{graph.policy_op_cost * 1e3:.3f} ms (twice: forward and recompute); measured per region, "
           "medians of interleaved steps against the plan without regions:\n")
