@@ -61,14 +61,14 @@ def plan_rows(work: compare.Workload, budget: int, repeats: int) -> list[str]:
             module = ckptplan.emit(graph, plan)
             metrics = compare.measure(module, work.model, work, reference, repeats)
             flops = matmul_flops(module, work)
-            rows.append(compare_row(
+            rows.append(plan_row(
                 "spelled out" if spell_out else "whole", len(graph.nodes), limit, seconds, plan,
                 plan.regions == dp.regions, metrics, flops / base_flops - 1,
             ))
     return rows
 
 
-def compare_row(kernels: str, nodes: int, limit: float, seconds: float, plan: ckptplan.Plan, as_dp: bool,
+def plan_row(kernels: str, nodes: int, limit: float, seconds: float, plan: ckptplan.Plan, as_dp: bool,
                 metrics: compare.Metrics, extra_flops: float) -> str:
     return (f"| {kernels} | {nodes} | {limit:g} s | {seconds:.1f} | {plan.prediction.overhead:.3f} | "
             f"{'yes' if as_dp else 'no'} | {plan.prediction.peak_bytes / MIB:.1f} | {metrics.peak_bytes / MIB:.1f} | "
@@ -120,8 +120,7 @@ def pricing_rows() -> list[str]:
     whole = ckptplan.profile(model, args)
     parts = ckptplan.profile(model, args, spell_out=True)
     attention = whole.node("scaled_dot_product_attention")
-    spelled = [n for n in parts.nodes if n.index < parts.index_of["attn_out"] + 1 and n.module == attention.module
-               and (n.name.startswith("attn_") or n.name.startswith("dropout_"))]
+    spelled = parts.nodes[parts.index_of["attn_query"]:parts.index_of["attn_out"] + 1]
     return [
         f"| whole | `{attention.name}` | {attention.fwd_cost * 1e6:.1f} | {whole.step_cost * 1e3:.2f} |",
         f"| spelled out | {', '.join(f'`{n.name}`' for n in spelled)} | "

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ckptplan.errors import TraceError
 from ckptplan.graph import Node, Storage, StorageKind
+from ckptplan.profiler.composite import dropout_noise
 from ckptplan.profiler.cost import Roofline
 from ckptplan.profiler.loss import training_loss
 from ckptplan.profiler.trace import Autocast, Target, fake_copy, named_state
@@ -212,7 +213,7 @@ def _dropout_as(target: Target, x: torch.Tensor, p: float, train: bool) -> torch
         return _aten.dropout.default(x, p, train)
     if target == "cuda":
         return _aten.native_dropout.default(x, p, train)[0]
-    return x * torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
+    return x * dropout_noise(x, p)
 
 
 @dataclass
