@@ -500,9 +500,10 @@ def solve_flat(
 ) -> Plan:
     """``solve_ilp`` on the whole graph as one CP-SAT model.
 
-    ``time_limit`` (seconds, default ``DEFAULT_TIME_LIMIT``) bounds the CP-SAT search, and sets
-    its deterministic clock; ``deadline`` (a ``time.perf_counter()`` value) can end it sooner
-    on the wall clock, for callers that spent part of their own limit before this call. With
+    ``time_limit`` (seconds, default ``DEFAULT_TIME_LIMIT``) bounds the reproducible search, and
+    sets its deterministic clock; ``deadline`` (a ``time.perf_counter()`` value), the end of the
+    caller's own limit, can end that search sooner on the wall clock, and the proof phase runs
+    until it (the caller's time not spent before this call). With
     ``workers=1`` (the default) and a fixed ``seed`` the search is reproducible (see
     ``_configure``); more workers usually find cheaper plans in the same time. Status:
     ``optimal`` (proven for this plan space), ``feasible`` with the proven relative gap, or
@@ -545,7 +546,7 @@ def solve_flat(
             if local != result.regions:
                 cost = simulate(graph, local).cost_seconds * COST_SCALE
                 result = CpResult("FEASIBLE", local, cost, result.bound, time.perf_counter() - started)
-    left = end - time.perf_counter()
+    left = (end if deadline is None else deadline) - time.perf_counter()
     if result.regions is not None and result.status != "OPTIMAL" and not result.interrupted and left >= MIN_PROOF_SECONDS:
         result = _prove(model, graph, v, result, budget_bytes, seconds=left, seed=seed, announce=announce)
     size = f"{len(graph.nodes)} nodes, {v.counts['variables']} variables, {v.counts['constraints']} constraints"

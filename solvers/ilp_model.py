@@ -47,7 +47,8 @@ Derived families (each defined by constraints next to where it is created):
   ``savedby_{s}_{j}_{jp}``: node jp, in j's region, saves it.
 * ``recomputed_{t}`` — node t is recomputed (in a region that is recomputed, before its early
   stop, not kept): what the objective pays for, with the machinery's cost (``_machinery_cost``
-  defines ``keepupto``, ``keepfrom`` and ``inkeep``).
+  defines ``keepupto``, ``keepfrom`` and ``inkeep``). Redundant clauses ``held_s or
+  recomputed_p`` tighten the LP relaxation (``hold_or_recompute``).
 
 Every derived boolean that only ever adds memory or cost is bounded from below only (the
 solver has no reason to raise it); those used both ways (``cont``, ``same``, ``trigafter``,
@@ -483,14 +484,33 @@ class _Builder:
     def objective(self) -> cp_model.LinearExpr:
         m, g = self.m, self.g
         terms = []
+        recomputed = {}
         for t, node in enumerate(g.nodes):
             cost = round(node.fwd_cost * COST_SCALE)
             if cost <= 0:
                 continue
-            var = m.NewBoolVar(f"recomputed_{t}")
+            var = recomputed[t] = m.NewBoolVar(f"recomputed_{t}")
             self.implies([self.rec[t], self._keep_var(t).Not(), self.stopafter[t], self.hastrig[t]], var)
             terms.append(cost * var)
+        self.hold_or_recompute(recomputed)
         return sum(terms) + self._machinery_cost()
+
+    def hold_or_recompute(self, recomputed: dict[int, cp_model.IntVar]) -> None:
+        """Redundant clauses ``held_s or recomputed_p`` (p the producer of s): a storage that some
+        node at or after p saves for a backward that runs is either held from the forward or made
+        again by recomputing p. Every plan satisfies them (a saver outside regions holds s; one in
+        another region than p makes s that region's input; one in p's region, with p not kept,
+        is a trigger there and so recomputes p). They add nothing to the integer model but tie
+        the forward's memory rows to the objective in the LP relaxation, which alone had a lower
+        bound near zero: with them the bound is at least the cheapest fractional choice of
+        producers to recompute that frees enough bytes (a knapsack), and CP-SAT's proofs start
+        from there."""
+        for s in self.dynamic:
+            p = self.g.storages[s].producer
+            if p not in recomputed:
+                continue
+            if any(j >= p and j in self.runs_backward for j in self.savers.get(s, ())):
+                self.m.AddBoolOr([self.held[s], recomputed[p]])
 
     def _machinery_cost(self) -> cp_model.LinearExpr:
         """``simulation.checkpoint_cost_seconds``: ``graph.region_cost`` per region (each true
