@@ -333,27 +333,34 @@ def run_cp_sat(
     return CpResult("UNKNOWN", None, float("inf"), 0.0, time.perf_counter() - started)
 
 
-def model_peak(graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None) -> int:
+def model_peak(
+    graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None, bounding: bool = False
+) -> int:
     """The least peak the model allows for one fixed one-level plan (tests compare it with
-    ``simulate``: they must agree)."""
-    return _fixed_optimum(graph, regions, window, lambda v: v.peak)
+    ``simulate``: they must agree). ``bounding``: with ``IlpVars.bounding_clauses`` added, which
+    must change nothing."""
+    return _fixed_optimum(graph, regions, window, lambda v: v.peak, bounding=bounding)
 
 
 def model_cost(
-    graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None, budget_bytes: int | None = None
+    graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None, budget_bytes: int | None = None,
+    bounding: bool = False,
 ) -> float:
     """The least cost (seconds) the model allows for one fixed one-level plan within
     ``budget_bytes`` (tests compare it with ``simulate``'s ``cost_seconds`` at the simulated
-    peak: they must agree up to ``COST_SCALE`` rounding)."""
-    return _fixed_optimum(graph, regions, window, lambda v: v.cost, budget_bytes) / COST_SCALE
+    peak: they must agree up to ``COST_SCALE`` rounding). ``bounding`` as for ``model_peak``."""
+    return _fixed_optimum(graph, regions, window, lambda v: v.cost, budget_bytes, bounding=bounding) / COST_SCALE
 
 
 def _fixed_optimum(
     graph: ComputeGraph, regions: tuple[Region, ...], window: int | None,
-    objective: Callable[[IlpVars], cp_model.LinearExprT], budget_bytes: int | None = None,
+    objective: Callable[[IlpVars], cp_model.LinearExprT], budget_bytes: int | None = None, *, bounding: bool = False,
 ) -> int:
     """The least value of ``objective`` over the model with ``regions``' decisions fixed."""
     model, v = build_model(graph, budget_bytes, window=window)
+    if bounding:
+        for pair in v.bounding_clauses:
+            model.AddBoolOr(pair)
     _fix(model, graph, v, tuple(regions))
     target = objective(v)
     model.Minimize(target)
@@ -598,12 +605,15 @@ def _prove(
     model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, result: CpResult, budget_bytes: int, *,
     seconds: float, seed: int, announce: bool,
 ) -> CpResult:
-    """Try to prove ``result`` optimal, or find a cheaper plan, with ``PROOF_WORKERS`` workers.
+    """Try to prove ``result`` optimal, or find a cheaper plan, with ``PROOF_WORKERS`` workers,
+    on ``model`` with ``v.bounding_clauses`` added (they raise the LP bound the proof rests on).
 
     The plan returned changes only for one of strictly lower simulated cost, so the reproducible
     search's plan stands unless this phase beats it; a proof or a higher lower bound only
     changes the status and gap."""
     model.ClearHints()
+    for pair in v.bounding_clauses:
+        model.AddBoolOr(pair)
     _hint_complete(model, graph, v, result.regions)
     proof = run_cp_sat(
         model, graph, v, time_limit=seconds, deterministic_seconds=seconds, workers=PROOF_WORKERS, seed=seed,

@@ -47,8 +47,8 @@ Derived families (each defined by constraints next to where it is created):
   ``savedby_{s}_{j}_{jp}``: node jp, in j's region, saves it.
 * ``recomputed_{t}`` — node t is recomputed (in a region that is recomputed, before its early
   stop, not kept): what the objective pays for, with the machinery's cost (``_machinery_cost``
-  defines ``keepupto``, ``keepfrom`` and ``inkeep``). Redundant clauses ``held_s or
-  recomputed_p`` tighten the LP relaxation (``hold_or_recompute``).
+  defines ``keepupto``, ``keepfrom`` and ``inkeep``). ``IlpVars.bounding_clauses``: redundant
+  pairs ``held_s or recomputed_p`` that tighten the LP relaxation (``hold_or_recompute``).
 
 Every derived boolean that only ever adds memory or cost is bounded from below only (the
 solver has no reason to raise it); those used both ways (``cont``, ``same``, ``trigafter``,
@@ -84,6 +84,7 @@ class IlpVars:
     cost: cp_model.LinearExpr
     window: int
     counts: dict[str, int] = field(default_factory=dict)
+    bounding_clauses: list[tuple[cp_model.IntVar, cp_model.IntVar]] = field(default_factory=list)
 
 
 class _Builder:
@@ -492,25 +493,26 @@ class _Builder:
             var = recomputed[t] = m.NewBoolVar(f"recomputed_{t}")
             self.implies([self.rec[t], self._keep_var(t).Not(), self.stopafter[t], self.hastrig[t]], var)
             terms.append(cost * var)
-        self.hold_or_recompute(recomputed)
+        self.bounding_clauses = self.hold_or_recompute(recomputed)
         return sum(terms) + self._machinery_cost()
 
-    def hold_or_recompute(self, recomputed: dict[int, cp_model.IntVar]) -> None:
-        """Redundant clauses ``held_s or recomputed_p`` (p the producer of s): a storage that some
-        node at or after p saves for a backward that runs is either held from the forward or made
-        again by recomputing p. Every plan satisfies them (a saver outside regions holds s; one in
-        another region than p makes s that region's input; one in p's region, with p not kept,
-        is a trigger there and so recomputes p). They add nothing to the integer model but tie
-        the forward's memory rows to the objective in the LP relaxation, which alone had a lower
-        bound near zero: with them the bound is at least the cheapest fractional choice of
-        producers to recompute that frees enough bytes (a knapsack), and CP-SAT's proofs start
-        from there."""
+    def hold_or_recompute(self, recomputed: dict[int, cp_model.IntVar]) -> list[tuple[cp_model.IntVar, cp_model.IntVar]]:
+        """Pairs for redundant clauses ``held_s or recomputed_p`` (p the producer of s): a storage
+        that some node at or after p saves, for a backward that runs, is either held from the
+        forward or made again by recomputing p. Every plan satisfies them (a saver outside
+        regions holds s; one in another region than p makes s that region's input; one in p's
+        region, p not kept, is a trigger there and so recomputes p). In the LP relaxation they
+        tie the forward's memory rows to the objective, whose bound was near zero without them:
+        at least the cheapest fractional choice of producers to recompute that frees enough bytes
+        (a knapsack). Left out of the model ``build_model`` returns: with them one worker's search
+        found dearer plans in the same deterministic time (``solve_flat`` adds them for its
+        proof phase)."""
+        pairs = []
         for s in self.dynamic:
             p = self.g.storages[s].producer
-            if p not in recomputed:
-                continue
-            if any(j >= p and j in self.runs_backward for j in self.savers.get(s, ())):
-                self.m.AddBoolOr([self.held[s], recomputed[p]])
+            if p in recomputed and any(j >= p and j in self.runs_backward for j in self.savers.get(s, ())):
+                pairs.append((self.held[s], recomputed[p]))
+        return pairs
 
     def _machinery_cost(self) -> cp_model.LinearExpr:
         """``simulation.checkpoint_cost_seconds``: ``graph.region_cost`` per region (each true
@@ -580,5 +582,6 @@ def build_model(
         cost=cost,
         window=b.W,
         counts={"variables": len(proto.variables), "constraints": len(proto.constraints)},
+        bounding_clauses=b.bounding_clauses,
     )
     return b.m, variables

@@ -46,6 +46,19 @@ def test_model_peak_equals_the_simulated_peak_with_skips_dropout_and_keeps() -> 
         assert model_peak(graph, plan) == simulate(graph, plan).peak_bytes, plan
 
 
+def test_bounding_clauses_cut_off_no_plan() -> None:
+    """The proof phase's redundant clauses (``held_s or recomputed_p``) hold for every plan: with
+    them the model's least peak and least cost for a fixed plan are still the simulator's."""
+    graph = replace(skip_graph(), region_cost=2.0**-20, policy_op_cost=2.0**-22)
+    rng = random.Random(4)
+    for _ in range(60):
+        plan = random_plan(graph, rng)
+        report = simulate(graph, plan)
+        assert model_peak(graph, plan, bounding=True) == report.peak_bytes, plan
+        cost = model_cost(graph, plan, budget_bytes=report.peak_bytes, bounding=True)
+        assert cost == pytest.approx(report.cost_seconds, rel=1e-9), plan
+
+
 def test_model_cost_equals_the_simulated_cost_with_checkpoint_machinery() -> None:
     """The objective counts what ``simulate`` does: recomputed nodes, each region's fixed cost,
     and the selective policy's cost per node of a region that keeps something (in forward and
@@ -81,8 +94,9 @@ def test_model_cost_equals_the_simulated_cost_on_profiled_examples(name: str) ->
         plan = random_plan(graph, rng)
         rounding = (2 * len(graph.nodes) + len(plan)) / COST_SCALE  # each term rounds to an integer
         report = simulate(graph, plan)
-        cost = model_cost(graph, plan, budget_bytes=report.peak_bytes)
-        assert cost == pytest.approx(report.cost_seconds, abs=rounding), plan
+        for bounding in (False, True):  # the proof phase's redundant clauses cut off no plan
+            cost = model_cost(graph, plan, budget_bytes=report.peak_bytes, bounding=bounding)
+            assert cost == pytest.approx(report.cost_seconds, abs=rounding), plan
 
 
 @pytest.mark.slow
