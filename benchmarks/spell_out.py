@@ -25,14 +25,13 @@ import importlib.util
 import statistics
 import time
 
+import compare  # benchmarks/compare.py: its BERT, its cost model and its measurement
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import ckptplan
 from ckptplan import Region
 from ckptplan.profiler.loss import training_loss
-
-import compare  # benchmarks/compare.py: its BERT, its cost model and its measurement
 
 MIB = 2**20
 SECTIONS = ("plans", "costs", "pricing")

@@ -137,7 +137,7 @@ TargetOpt = Annotated[
     Device | None,
     typer.Option(
         "--target", case_sensitive=False, show_default=False,
-        help="Whose kernels the step runs on, where they save different bytes (dropout masks: 1 B/element on cuda); default: the model's device, cpu for a meta model.",
+        help="Whose kernels the step runs on, where they save different bytes (dropout masks: 1 B/element on cuda; attention: the fused kernel on cuda); default: the model's device, cpu for a meta model.",
     ),
 ]
 

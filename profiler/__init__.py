@@ -25,8 +25,8 @@ from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.loss import loss_leaves, training_loss
 from ckptplan.profiler.record import record_graph
 from ckptplan.profiler.shard import shard_layout
-from ckptplan.profiler.timing import StepTimes, measure_op_seconds
 from ckptplan.profiler.static import static_memory
+from ckptplan.profiler.timing import StepTimes, measure_op_seconds
 from ckptplan.profiler.trace import Autocast, Target, TraceMode, model_device_type, trace_model
 from ckptplan.sharding import ShardSpec, shard_graph
 
@@ -64,12 +64,14 @@ def profile(
     the low-precision copies of all weights more than predicted.
     ``target`` (``"cuda"``, ``"cpu"`` or None): the device kind whose kernels the step runs on,
     where they save different tensors for backward: dropout keeps a 1-byte ``torch.bool`` mask
-    per element on CUDA and its scaling noise in the input's dtype on CPU. None means the device
-    of the model's tensors, and ``"cpu"`` for a model on ``meta``: a meta model profiles as the
-    same model on CPU (as it does under autocast), and keeps the bytes and fingerprint it had
-    before targets existed. Give ``target="cuda"`` to plan a meta model for GPUs. Only dropout's
-    kernels follow the target; other ops (attention backends, and on a meta model autocast's
-    casting rules) are those of the device the model's tensors are faked on.
+    per element on CUDA and its scaling noise in the input's dtype on CPU; for a CUDA target,
+    scaled-dot-product attention runs the fused kernel CUDA would pick (``cuda_attention``), not
+    the math kernel CPU takes with dropout. None means the device of the model's tensors, and
+    ``"cpu"`` for a model on ``meta``: a meta model profiles as the same model on CPU (as it does
+    under autocast), and keeps the bytes and fingerprint it had before targets existed. Give
+    ``target="cuda"`` to plan a meta model for GPUs. Only dropout's and attention's kernels follow
+    the target; other ops (and on a meta model autocast's casting rules) are those of the device
+    the model's tensors are faked on.
     ``roofline``: the cost model that prices recomputation (default: an A100's datasheet;
     ``ckptplan.measure_roofline()`` measures this machine's, with the fixed costs of regions
     and selective policies). ``measure_times``: also run the model's forward a few times on its

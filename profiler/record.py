@@ -30,6 +30,7 @@ from ckptplan.errors import TraceError
 from ckptplan.graph import Node, Storage, StorageKind
 from ckptplan.profiler.composite import dropout_noise
 from ckptplan.profiler.cost import Roofline
+from ckptplan.profiler.cuda_attention import attention_as_cuda, sdpa_call
 from ckptplan.profiler.loss import training_loss
 from ckptplan.profiler.trace import Autocast, Target, fake_copy, named_state
 
@@ -171,15 +172,19 @@ def _as_eager(func: Any, args: tuple, out: Any) -> Any:
     return out
 
 
-class _DropoutAs(TorchFunctionMode):
-    """Runs dropout as ``target``'s kernels do, on fake tensors of another device (issue #5).
+class _TargetKernels(TorchFunctionMode):
+    """Runs dropout and attention as ``target``'s kernels do, on fake tensors of another device
+    (issue #5). Only the kernels change: the graph keeps its nodes, which the emitted module runs
+    on the user's device.
 
-    ATen's ``dropout`` on CUDA, when training with 0 < p < 1 on a non-empty tensor, calls
-    ``native_dropout``, whose backward keeps a ``torch.bool`` mask: 1 byte per element. On CPU
-    and meta it takes the unfused path, ``input * empty_like(input).bernoulli_(1 - p).div_(1 - p)``,
-    whose backward keeps that noise in the input's dtype: 2 or 4 bytes per element. Only the
-    kernels change: the graph keeps its dropout node, which the emitted module runs on the
-    user's device. In-place dropout takes the unfused path everywhere and is left alone.
+    Dropout: ATen's ``dropout`` on CUDA, when training with 0 < p < 1 on a non-empty tensor,
+    calls ``native_dropout``, whose backward keeps a ``torch.bool`` mask: 1 byte per element. On
+    CPU and meta it takes the unfused path, ``input * empty_like(input).bernoulli_(1 - p).div_(1 - p)``,
+    whose backward keeps that noise in the input's dtype: 2 or 4 bytes per element. In-place
+    dropout takes the unfused path everywhere and is left alone.
+
+    Attention, for a CUDA target: the fused kernel CUDA would pick (``cuda_attention``), where
+    the fake tensors' device would take the math kernel and keep B·H·L·S tensors.
     """
 
     def __init__(self, target: Target) -> None:
@@ -189,9 +194,14 @@ class _DropoutAs(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         call = _dropout_call(func, args, kwargs)
-        if call is None:
-            return func(*args, **kwargs)
-        return _dropout_as(self.target, *call)
+        if call is not None:
+            return _dropout_as(self.target, *call)
+        attention = sdpa_call(func, args, kwargs) if self.target == "cuda" else None
+        if attention is not None:
+            out = attention_as_cuda(attention)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
 
 
 def _dropout_call(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor, float, bool] | None:
@@ -318,8 +328,8 @@ def record_graph(
     op goes through the autocast dispatch key: outputs, saved tensors and the parameter casts
     autocast makes get the dtypes and bytes of that step. A model on ``meta``, which has no
     autocast dispatch key, is then faked on ``autocast.meta_as``.
-    ``target``: run dropout as that device kind's kernels do (``_DropoutAs``), where it is not
-    the fake tensors' own; None runs every op as their device does.
+    ``target``: run dropout and attention as that device kind's kernels do (``_TargetKernels``),
+    where it is not the fake tensors' own; None runs every op as their device does.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     recorder = _Recorder(gm, roofline)
@@ -389,10 +399,10 @@ def _fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:
 
 
 def _run(recorder: _Recorder, fx_node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
-    """Run one node's op, with the target's dropout kernels when they are not the device's."""
+    """Run one node's op, with the target's kernels when they are not the device's."""
     if recorder.target is None:
         return _call(recorder.gm, fx_node, args, kwargs)
-    with _DropoutAs(recorder.target):
+    with _TargetKernels(recorder.target):
         return _call(recorder.gm, fx_node, args, kwargs)
 
 
