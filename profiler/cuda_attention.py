@@ -94,37 +94,35 @@ def attention_as_cuda(call: dict[str, Any]) -> torch.Tensor | None:
     (fake) tensors; None for the calls this module does not model (the caller runs them as
     they are)."""
     backend = cuda_backend(call)
-    if backend == "math":
-        if call.get("enable_gqa", False) or call.get("scale") is not None and call["scale"] < 0:
-            return None
-        return _math_as_cuda(call)
+    if backend == "math" and (call.get("enable_gqa", False) or (call.get("scale") or 0.0) < 0):
+        return None
     dtype = _compute_dtype(call["query"])
     query, key, value = (call[name].to(dtype) for name in ("query", "key", "value"))
-    dropout_p, is_causal = call.get("dropout_p", 0.0), call.get("is_causal", False)
+    mask, dropout_p, is_causal = call.get("attn_mask"), call.get("dropout_p", 0.0), call.get("is_causal", False)
     scale = call.get("scale")
     if scale is None:  # the scale of the unpadded head dim (sdp::calculate_scale)
         scale = 1.0 / math.sqrt(query.size(-1))
+    if backend == "math":
+        return _math_as_cuda(query, key, value, mask, dropout_p, is_causal, scale)
     if backend == "flash":
         head_dim = query.size(-1)
         padded = [_pad_last_dim(t, 8) for t in (query, key, value)]
         out = _aten._scaled_dot_product_flash_attention.default(*padded, dropout_p, is_causal, False, scale=scale)[0]
         return out[..., :head_dim] if out.size(-1) != head_dim else out
-    bias = _efficient_bias(call.get("attn_mask"), query, key)
+    bias = _efficient_bias(mask, query, key)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     return _aten._scaled_dot_product_efficient_attention.default(
         query, key, value, bias, grad, dropout_p, is_causal, scale=scale
     )[0]
 
 
-def _math_as_cuda(call: dict[str, Any]) -> torch.Tensor:
+def _math_as_cuda(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+    dropout_p: float, is_causal: bool, scale: float,
+) -> torch.Tensor:
     """The math kernel's ops (``_scaled_dot_product_attention_math``, as ``composite`` spells it
-    out), its dropout the fused CUDA kernel's."""
-    dtype = _compute_dtype(call["query"])
-    query, key, value = (call[name].to(dtype) for name in ("query", "key", "value"))
-    scale = call.get("scale")
-    root = math.sqrt(1.0 / math.sqrt(query.size(-1)) if scale is None else scale)
-    mask, is_causal = call.get("attn_mask"), call.get("is_causal", False)
-    dropout_p = call.get("dropout_p", 0.0)
+    out) on inputs already cast, its dropout the fused CUDA kernel's."""
+    root = math.sqrt(scale)  # query and key are each scaled by √scale, for stability
     # Autocast casts the kernel's inputs once; the ops inside it are not cast again.
     device = query.device.type
     with torch.autocast(device, enabled=False) if device in ("cpu", "cuda") else contextlib.nullcontext():
@@ -156,12 +154,7 @@ def _efficient_bias(mask: torch.Tensor | None, query: torch.Tensor, key: torch.T
     (``preprocess_mask``), broadcast to B·H·L·S (a view)."""
     if mask is None:
         return None
-    if mask.dtype == torch.bool:
-        zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device)
-        minus_inf = torch.scalar_tensor(-math.inf, dtype=query.dtype, device=query.device)
-        mask = torch.where(mask, zero, minus_inf)
-    else:
-        mask = mask.to(query.dtype)
+    mask = attention_bias(query, key, mask, False).to(query.dtype)
     aligned = mask.stride(-1) == 1 and all(stride % _MASK_ALIGNMENT == 0 for stride in mask.stride()[:-1])
     if not aligned:  # pad_bias pads by alignment - size % alignment: a whole 8 when the size is aligned
         last = mask.size(-1)

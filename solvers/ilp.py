@@ -26,7 +26,7 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import simulate
 from ckptplan.solvers import blocks
-from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, build_model
+from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, build_model
 from ckptplan.solvers.registry import get_solver, register
 from ckptplan.solvers.sqrt import least_peak_regions
 from ckptplan.units import describe_bytes
@@ -359,8 +359,7 @@ def _fixed_optimum(
     """The least value of ``objective`` over the model with ``regions``' decisions fixed."""
     model, v = build_model(graph, budget_bytes, window=window)
     if bounding:
-        for pair in v.bounding_clauses:
-            model.AddBoolOr(pair)
+        add_bounding_clauses(model, v)
     _fix(model, graph, v, tuple(regions))
     target = objective(v)
     model.Minimize(target)
@@ -612,8 +611,7 @@ def _prove(
     search's plan stands unless this phase beats it; a proof or a higher lower bound only
     changes the status and gap."""
     model.ClearHints()
-    for pair in v.bounding_clauses:
-        model.AddBoolOr(pair)
+    add_bounding_clauses(model, v)
     _hint_complete(model, graph, v, result.regions)
     proof = run_cp_sat(
         model, graph, v, time_limit=seconds, deterministic_seconds=seconds, workers=PROOF_WORKERS, seed=seed,

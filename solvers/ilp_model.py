@@ -543,6 +543,12 @@ class _Builder:
         return sum(terms)
 
 
+def add_bounding_clauses(model: cp_model.CpModel, v: IlpVars) -> None:
+    """Add ``v.bounding_clauses`` to ``model`` (see ``_Builder.hold_or_recompute``)."""
+    for pair in v.bounding_clauses:
+        model.AddBoolOr(pair)
+
+
 def keepable(graph: ComputeGraph, t: int) -> bool:
     """What a keep-set may name: an op that allocates (keeping a view saves nothing, its storage
     is its base's), draws no random numbers, and whose output no later op overwrites in place."""
