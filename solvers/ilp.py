@@ -3,20 +3,20 @@
 Three steps, kept apart: ``build_model`` (``solvers.ilp_model``) states the plan space and the
 simulator's memory as constraints; ``run_cp_sat`` solves it under a time limit (half of it on
 the whole model, then ``improve_locally``, a large-neighbourhood search over windows of nodes,
-if that did not prove optimality); ``extract_regions`` reads the plan back. The ``sqrt`` and ``dp`` plans warm-start the search (as hints when they are
-one-level) and stay candidates: a time-limited solve never returns anything worse than them.
-Every plan is re-simulated; should the simulator disagree with the model (a bug), the plan is
-cut off and the model solved again.
+if that did not prove optimality); ``extract_regions`` (``solvers.cpsat``) reads the plan back.
+Both searches use one worker and CP-SAT's deterministic clock, so the plan is reproducible; the
+time they leave goes to ``solvers.ilp_proof``, which proves the plan optimal or finds a cheaper
+one on a relaxation of the model that gains memory rows as plans break them. The ``sqrt`` and
+``dp`` plans warm-start the search (as hints when they are one-level) and stay candidates: a
+time-limited solve never returns anything worse than them. Every plan is re-simulated; should
+the simulator disagree with the model (a bug), the plan is cut off and the model solved again.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
@@ -26,7 +26,20 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import simulate
 from ckptplan.solvers import blocks
+from ckptplan.solvers.cpsat import (
+    MIN_WALL_SECONDS,
+    CpResult,
+    configure,
+    exclude_solution,
+    extract_regions,
+    fix_plan,
+    hint_complete,
+    interrupted,
+    solve_keeping_sigint,
+    stopped,
+)
 from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, build_model
+from ckptplan.solvers.ilp_proof import prove
 from ckptplan.solvers.registry import get_solver, register
 from ckptplan.solvers.sqrt import least_peak_regions
 from ckptplan.units import describe_bytes
@@ -39,77 +52,16 @@ WARM_SOLVERS = ("dp", "sqrt")
 # CP-SAT's deterministic clock ran at 0.4-0.6 of wall time on the examples here (2 cores); a
 # limit of 0.3 of the time left stops the search on that clock well before the wall clock.
 DETERMINISTIC_SECONDS_PER_SECOND = 0.3
-MIN_WALL_SECONDS = 1.0  # the wall-clock backup of even the shortest search
 LNS_WINDOW = 24  # nodes whose decisions one local-search step frees
 LNS_DETERMINISTIC_SECONDS = 1.0  # deterministic-time limit of one local-search step
 GLOBAL_SHARE = 0.5  # of the time left after warm starts: the whole-model search; the rest is local
 FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
 HIERARCHICAL_SHARE = 0.25  # of the time limit, on smaller graphs: the block-by-block warm start
-# The proof phase: CP-SAT's parallel portfolio, whose LP- and core-based workers raise the lower
-# bound that one worker's search leaves near zero (on the U-Net at 50%: optimal in 38 s with 8
-# workers on 2 cores; one worker, or 8 interleaved deterministically, still had a 10% gap at
-# 150 deterministic seconds). It runs on whatever time the reproducible search leaves.
-PROOF_WORKERS = 8
-MIN_PROOF_SECONDS = 10.0
+# The proof phase (``solvers.ilp_proof``) runs on whatever time the reproducible search leaves,
+# if at least this much: CP-SAT's portfolio of 8 workers needs seconds to start raising its bound.
+MIN_PROOF_SECONDS = 5.0
 
-
-@dataclass(frozen=True)
-class CpResult:
-    """What one CP-SAT run found: ``regions`` is None when it found no plan; ``objective`` and
-    ``bound`` (a proven lower bound) are recompute costs in ``ilp_model.COST_SCALE`` units
-    (``regions`` may have been simplified to no higher a cost)."""
-
-    status: str
-    regions: tuple[Region, ...] | None
-    objective: float
-    bound: float
-    seconds: float
-    interrupted: bool = False
-
-
-def extract_regions(graph: ComputeGraph, v: IlpVars, value) -> tuple[Region, ...]:
-    """Regions from the decision values (``value(var) -> int``), in execution order."""
-    regions: list[Region] = []
-    n = len(graph.nodes)
-    t = 0
-    while t < n:
-        if not value(v.rec[t]):
-            t += 1
-            continue
-        end = t + 1
-        while end < n and value(v.rec[end]) and not value(v.start[end]):
-            end += 1
-        keep = tuple(graph.nodes[j].name for j in range(t, end) if j in v.keep and value(v.keep[j]))
-        regions.append(Region(t, end, keep=keep))
-        t = end
-    return tuple(regions)
-
-
-def _fix(
-    model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...], *, free: range = range(0)
-) -> None:
-    """Force the decisions of a one-level plan, except those of the nodes in ``free``, which are
-    only hinted."""
-    n = len(graph.nodes)
-    rec, start, keep = [0] * n, [0] * n, [0] * n
-    for region in regions:
-        start[region.start] = 1
-        for i in range(region.start, region.end):
-            rec[i] = 1
-        for name in region.keep:
-            keep[graph.index_of[name]] = 1
-    for t in range(n):
-        pairs = [(v.rec[t], rec[t]), (v.start[t], start[t])]
-        if t in v.keep:
-            pairs.append((v.keep[t], keep[t]))
-        elif keep[t]:
-            raise CkptPlanError(f"node {graph.nodes[t].name!r} cannot be kept")
-        for var, value in pairs:
-            if t in free:
-                model.AddHint(var, value)
-            else:
-                model.Add(var == value)
 
 
 def simplify(graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int) -> tuple[Region, ...]:
@@ -163,7 +115,7 @@ def improve_locally(
     try:
         _sweeps(model, graph, v, found, budget_bytes, deadline=deadline, clock=deterministic_seconds, seed=seed)
     except KeyboardInterrupt:  # Ctrl-C between two small solves (CP-SAT catches it during one)
-        _stopped.set()
+        stopped.set()
     return simplify(graph, found[0], budget_bytes)
 
 
@@ -188,7 +140,7 @@ def _sweeps(
             if clock <= 0 or time.perf_counter() >= deadline:
                 break
             sub = model.Clone()
-            _fix(sub, graph, v, best, free=range(lo, lo + LNS_WINDOW))
+            fix_plan(sub, graph, v, best, free=range(lo, lo + LNS_WINDOW))
             solver = cp_model.CpSolver()
             solver.parameters.num_workers = 1
             solver.parameters.random_seed = seed
@@ -196,7 +148,7 @@ def _sweeps(
             solver.parameters.max_time_in_seconds = max(MIN_WALL_SECONDS, deadline - time.perf_counter())
             code = solve_keeping_sigint(solver, sub)
             clock -= solver.ResponseProto().deterministic_time
-            if _interrupted(solver):
+            if interrupted(solver):
                 return
             if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 continue
@@ -206,82 +158,6 @@ def _sweeps(
                 best, best_cost, improved = candidate, report.cost_seconds, True
                 found[0] = best
 
-
-def _hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...]) -> None:
-    """Hint every variable, not just the decisions: a copy of the model with the plan fixed
-    is solved for the values of the derived variables (CP-SAT repairs partial hints slowly)."""
-    fixed = model.Clone()
-    _fix(fixed, graph, v, regions)
-    fixed.ClearObjective()
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = 10.0
-    if solve_keeping_sigint(solver, fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        _fix(model, graph, v, regions, free=range(len(graph.nodes)))
-        return
-    for index in range(len(model.Proto().variables)):
-        var = model.GetIntVarFromProtoIndex(index)
-        model.AddHint(var, solver.Value(fixed.GetIntVarFromProtoIndex(index)))
-
-
-def _exclude(model: cp_model.CpModel, v: IlpVars, solver: cp_model.CpSolver) -> None:
-    """Cut off exactly the decisions ``solver`` last found."""
-    literals = []
-    for var in [*v.rec, *v.start, *v.keep.values()]:
-        literals.append(var.Not() if solver.Value(var) else var)
-    model.AddBoolOr(literals)
-
-
-# Set by a Ctrl-C during any search of one ``solve_ilp`` call (which clears it): every later
-# search of that call is skipped, so the best plan so far comes back at once.
-_stopped = threading.Event()
-
-
-def solve_keeping_sigint(solver: cp_model.CpSolver, model: cp_model.CpModel) -> int:
-    """``solver.Solve(model)``, leaving Ctrl-C as it found it, or nothing once Ctrl-C was pressed
-    (``_stopped``). CP-SAT turns a SIGINT during the search into an early return, but afterwards
-    leaves the signal's default action (end the process at once) where Python's handler was,
-    so a later Ctrl-C would lose the plan."""
-    if _stopped.is_set():
-        return cp_model.UNKNOWN
-    handler = signal.getsignal(signal.SIGINT)
-    try:
-        code = solver.Solve(model)
-    except KeyboardInterrupt:
-        _stopped.set()
-        raise
-    finally:
-        if handler is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, handler)
-    if _interrupted(solver):
-        _stopped.set()
-    return code
-
-
-def _interrupted(solver: cp_model.CpSolver) -> bool:
-    """The search stopped before proving anything and before either clock ran out: CP-SAT caught
-    a SIGINT (Ctrl-C), which it turns into an early return."""
-    params = solver.parameters
-    response = solver.ResponseProto()
-    wall_left = solver.WallTime() < 0.95 * params.max_time_in_seconds
-    clock_left = response.deterministic_time < 0.95 * params.max_deterministic_time
-    return response.status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and wall_left and clock_left
-
-
-def _configure(
-    solver: cp_model.CpSolver, *, wall_seconds: float, deterministic_seconds: float, workers: int, seed: int
-) -> None:
-    """Limits and search parameters. One worker stopped by CP-SAT's deterministic clock finds the
-    same plan on every run: callers give it ``DETERMINISTIC_SECONDS_PER_SECOND`` of the time they
-    were *asked* to take (never of what is left, which depends on the machine's load), and the
-    wall-clock limit only backs it up (at least ``MIN_WALL_SECONDS``, so that a short search on a
-    loaded machine still ends on its deterministic clock). More workers search better but not
-    reproducibly."""
-    solver.parameters.max_time_in_seconds = max(MIN_WALL_SECONDS, wall_seconds)
-    solver.parameters.num_workers = workers
-    solver.parameters.random_seed = seed
-    if workers == 1:
-        solver.parameters.max_deterministic_time = max(0.01, deterministic_seconds)
 
 
 def run_cp_sat(
@@ -303,7 +179,7 @@ def run_cp_sat(
     clock_left = deterministic_seconds
     for _ in range(MAX_CUTS + 1):
         solver = cp_model.CpSolver()
-        _configure(solver, wall_seconds=time_limit - (time.perf_counter() - started),
+        configure(solver, wall_seconds=time_limit - (time.perf_counter() - started),
                    deterministic_seconds=clock_left, workers=workers, seed=seed)
         try:  # from the moment the search is announced, Ctrl-C means "stop and keep the best"
             log.log(logging.INFO if announce else logging.DEBUG,
@@ -311,13 +187,13 @@ def run_cp_sat(
                     v.counts["variables"], solver.parameters.max_time_in_seconds)
             code = solve_keeping_sigint(solver, model)
         except KeyboardInterrupt:  # pressed just before CP-SAT took over SIGINT
-            _stopped.set()
+            stopped.set()
             return CpResult("UNKNOWN", None, float("inf"), 0.0, time.perf_counter() - started, interrupted=True)
         name = solver.StatusName(code)
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return CpResult(
                 name, None, float("inf"), solver.BestObjectiveBound(), time.perf_counter() - started,
-                interrupted=_interrupted(solver),
+                interrupted=interrupted(solver),
             )
         regions = extract_regions(graph, v, solver.Value)
         peak = simulate(graph, regions).peak_bytes
@@ -325,10 +201,10 @@ def run_cp_sat(
             regions = simplify(graph, regions, budget_bytes)
             return CpResult(
                 name, regions, solver.ObjectiveValue(), solver.BestObjectiveBound(), time.perf_counter() - started,
-                interrupted=_interrupted(solver),
+                interrupted=interrupted(solver),
             )
         log.warning("ilp model and simulator disagree on %s (%d > %d bytes); cutting it off", regions, peak, budget_bytes)
-        _exclude(model, v, solver)
+        exclude_solution(model, v, solver)
         clock_left -= solver.ResponseProto().deterministic_time
     return CpResult("UNKNOWN", None, float("inf"), 0.0, time.perf_counter() - started)
 
@@ -360,7 +236,7 @@ def _fixed_optimum(
     model, v = build_model(graph, budget_bytes, window=window)
     if bounding:
         add_bounding_clauses(model, v)
-    _fix(model, graph, v, tuple(regions))
+    fix_plan(model, graph, v, tuple(regions))
     target = objective(v)
     model.Minimize(target)
     solver = cp_model.CpSolver()
@@ -386,9 +262,9 @@ def least_peak(
     start, start_peak = least_peak_regions(graph)
     model, v = build_model(graph, None, window=window)
     model.Minimize(v.peak)
-    _hint_complete(model, graph, v, start)
+    hint_complete(model, graph, v, start)
     solver = cp_model.CpSolver()
-    _configure(solver, wall_seconds=time_limit, deterministic_seconds=deterministic_seconds, workers=workers, seed=seed)
+    configure(solver, wall_seconds=time_limit, deterministic_seconds=deterministic_seconds, workers=workers, seed=seed)
     code = solve_keeping_sigint(solver, model)
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return min(int(solver.Value(v.peak)), start_peak), code == cp_model.OPTIMAL
@@ -428,7 +304,7 @@ def solve_ilp(
     """
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
-    _stopped.clear()
+    stopped.clear()
     if budget_bytes >= graph.baseline_peak_bytes:
         return solve_flat(graph, budget_bytes, time_limit=limit)
     if len(graph.nodes) > FLAT_MAX_NODES:
@@ -457,7 +333,7 @@ def solve_hierarchical(
     when cheaper, or when the decomposition finds no plan."""
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
-    _stopped.clear()
+    stopped.clear()
     found = blocks.decompose(graph, seconds=limit * GLOBAL_SHARE)
     if found is None:
         return None
@@ -511,7 +387,7 @@ def solve_flat(
     caller's own limit, can end that search sooner on the wall clock, and the proof phase runs
     until it (the caller's time not spent before this call). With
     ``workers=1`` (the default) and a fixed ``seed`` the search is reproducible (see
-    ``_configure``); more workers usually find cheaper plans in the same time. Status:
+    ``configure``); more workers usually find cheaper plans in the same time. Status:
     ``optimal`` (proven for this plan space), ``feasible`` with the proven relative gap, or
     ``timeout`` when the search found nothing better than the warm-start plan it returns.
     ``window`` bounds the nodes per region (see ``build_model``). ``warm``: plans to start from
@@ -532,7 +408,7 @@ def solve_flat(
     one_level = [p for p in warm if all(not r.children for r in p.regions)]
     if one_level:
         best_hint = min(one_level, key=lambda p: p.prediction.cost_seconds)
-        _hint_complete(model, graph, v, best_hint.regions)
+        hint_complete(model, graph, v, best_hint.regions)
     remaining = max(0.1, end - time.perf_counter())
     clock = limit * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not the time left: reproducible
     result = run_cp_sat(
@@ -553,8 +429,10 @@ def solve_flat(
                 cost = simulate(graph, local).cost_seconds * COST_SCALE
                 result = CpResult("FEASIBLE", local, cost, result.bound, time.perf_counter() - started)
     left = (end if deadline is None else deadline) - time.perf_counter()
+    proof_note = ""
     if result.regions is not None and result.status != "OPTIMAL" and not result.interrupted and left >= MIN_PROOF_SECONDS:
-        result = _prove(model, graph, v, result, budget_bytes, seconds=left, seed=seed, announce=announce)
+        result, proof_note = _prove(graph, result, budget_bytes, seconds=left, seed=seed, window=window,
+                                    announce=announce)
     size = f"{len(graph.nodes)} nodes, {v.counts['variables']} variables, {v.counts['constraints']} constraints"
     if v.window < len(graph.nodes):
         size += f", regions of at most {v.window} nodes"
@@ -594,36 +472,30 @@ def solve_flat(
             name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note)})
     proven = result.status == "OPTIMAL"
     gap = 0.0 if proven else _gap(result)
-    note = f"one-level regions with keep-sets, {size}"
+    note = f"one-level regions with keep-sets, {size}" + (f"; {proof_note}" if proof_note else "")
     return plan.model_copy(update={"solver": SolverInfo(
         name="ilp", status="optimal" if proven else "feasible", seconds=time.perf_counter() - started,
         gap=gap, note=note)})
 
 
 def _prove(
-    model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, result: CpResult, budget_bytes: int, *,
-    seconds: float, seed: int, announce: bool,
-) -> CpResult:
-    """Try to prove ``result`` optimal, or find a cheaper plan, with ``PROOF_WORKERS`` workers,
-    on ``model`` with ``v.bounding_clauses`` added (they raise the LP bound the proof rests on).
-
-    The plan returned changes only for one of strictly lower simulated cost, so the reproducible
-    search's plan stands unless this phase beats it; a proof or a higher lower bound only
-    changes the status and gap."""
-    model.ClearHints()
-    add_bounding_clauses(model, v)
-    _hint_complete(model, graph, v, result.regions)
-    proof = run_cp_sat(
-        model, graph, v, time_limit=seconds, deterministic_seconds=seconds, workers=PROOF_WORKERS, seed=seed,
-        budget_bytes=budget_bytes, announce=announce,
-    )
-    if proof.regions is not None:
-        found = simulate(graph, proof.regions).cost_seconds
-        if found < simulate(graph, result.regions).cost_seconds:
-            return proof
-    status = "OPTIMAL" if proof.status == "OPTIMAL" else result.status
-    return CpResult(status, result.regions, result.objective, max(result.bound, proof.bound),
-                    result.seconds + proof.seconds, interrupted=proof.interrupted)
+    graph: ComputeGraph, result: CpResult, budget_bytes: int, *, seconds: float, seed: int, window: int | None,
+    announce: bool,
+) -> tuple[CpResult, str]:
+    """``ilp_proof.prove`` from ``result``, and a note on it for the plan. The plan changes only
+    for one of strictly lower simulated cost, so the reproducible search's plan stands unless
+    this phase beats it; a proof or a higher lower bound only changes the status and gap."""
+    proof = prove(graph, budget_bytes, result.regions, seconds=seconds, seed=seed, window=window,
+                  bound=result.bound, announce=announce)
+    regions, cost = result.regions, result.objective
+    if proof.regions != result.regions:
+        regions = simplify(graph, proof.regions, budget_bytes)
+        cost = simulate(graph, regions).cost_seconds * COST_SCALE
+    status = "OPTIMAL" if proof.optimal else result.status
+    note = (f"proof phase: {proof.rounds} round(s), {proof.rows} of {proof.deferred} backward and recompute "
+            "memory rows needed")
+    return CpResult(status, regions, cost, min(proof.bound, cost), result.seconds + proof.seconds,
+                    interrupted=stopped.is_set()), note
 
 
 def _origin(plan: Plan) -> str:

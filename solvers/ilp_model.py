@@ -61,6 +61,7 @@ when t's region starts recomputing (everything but the recompute's own tensors).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
@@ -85,6 +86,8 @@ class IlpVars:
     window: int
     counts: dict[str, int] = field(default_factory=dict)
     bounding_clauses: list[tuple[cp_model.IntVar, cp_model.IntVar]] = field(default_factory=list)
+    # Memory rows left out of the model, by event (``build_model``'s ``deferred_phases``).
+    deferred: dict[tuple[str, int], tuple[cp_model.LinearExprT, list]] = field(default_factory=dict)
 
 
 class _Builder:
@@ -115,6 +118,8 @@ class _Builder:
         self.peak = self.m.NewIntVar(0, max(0, upper), "peak")
         self._same: dict[tuple[int, int], cp_model.IntVar] = {}
         self.alive_needs: dict[int, list[tuple[int, list]]] = defaultdict(list)
+        self.deferred_phases: frozenset[str] = frozenset()
+        self.deferred: dict[tuple[str, int], tuple[cp_model.LinearExprT, list]] = {}
 
     def _upper_bytes(self) -> int:
         """More than any event can hold: every storage, gradients and temporaries at once."""
@@ -122,6 +127,15 @@ class _Builder:
         grads = max(self.base.during.values(), default=0)
         work = max((node.fwd_workspace_bytes for node in self.g.nodes), default=0)
         return self.resident + 2 * dynamic + grads + work
+
+    def event(self, key: tuple[str, int], live: cp_model.LinearExprT, enforce: list | None = None) -> None:
+        """The memory row of one simulator event (``phase``, node): ``live <= peak`` when all of
+        ``enforce`` hold. Rows of the phases in ``self.deferred_phases`` are kept aside in
+        ``self.deferred`` for ``add_events``."""
+        if key[0] in self.deferred_phases:
+            self.deferred[key] = (live, enforce or [])
+        else:
+            _add_row(self.m, self.peak, live, enforce or [])
 
     def implies(self, literals: list, var: cp_model.IntVar) -> None:
         """All ``literals`` true => ``var`` true, as one clause (CP-SAT propagates these best)."""
@@ -347,7 +361,7 @@ class _Builder:
         for i in range(self.n):
             program += sum(g.storages[s].nbytes for s in starts_at[i])
             live = self.resident + program + g.nodes[i].fwd_workspace_bytes
-            m.Add(live + sum(retained) <= self.peak)
+            self.event(("forward", i), live + sum(retained))
             for s in retired_after[i]:
                 program -= g.storages[s].nbytes
                 retained.append(g.storages[s].nbytes * self.held[s])
@@ -386,7 +400,7 @@ class _Builder:
     def backward_events(self) -> None:
         for i in self.base.runs:
             live = self.resident + self.base.during[i]
-            self.m.Add(live + sum(self.held_originals(i)) + sum(self.copy_terms.get(i, [])) <= self.peak)
+            self.event(("backward", i), live + sum(self.held_originals(i)) + sum(self.copy_terms.get(i, [])))
 
     def recompute_events(self) -> None:
         """Each region's recompute runs its nodes from the start to the early stop, while backward
@@ -436,7 +450,7 @@ class _Builder:
             live = self.resident + self.trigger_bytes[t] + sum(rc_terms.get(t, []))
             if work:
                 live += work - work * self._keep_var(t)
-            m.Add(live <= self.peak).OnlyEnforceIf([self.rec[t], self.stopafter[t], self.hastrig[t]])
+            self.event(("recompute", t), live, [self.rec[t], self.stopafter[t], self.hastrig[t]])
 
     def cached_in_recompute(self, users_of: dict[int, list[int]], rc_terms: dict[int, list]) -> None:
         """``cachelive_{s}_{j}_{t}``: kept node j's cached s is live while its region's recompute
@@ -543,6 +557,21 @@ class _Builder:
         return sum(terms)
 
 
+def _add_row(model: cp_model.CpModel, peak: cp_model.IntVar, live: cp_model.LinearExprT, enforce: list) -> None:
+    row = model.Add(live <= peak)
+    if enforce:
+        row.OnlyEnforceIf(enforce)
+
+
+def add_events(model: cp_model.CpModel, v: IlpVars, keys: Iterable[tuple[str, int]]) -> None:
+    """Add the memory rows of the events ``keys`` that ``build_model`` deferred (and forget them
+    in ``v.deferred``); keys without a deferred row are skipped."""
+    for key in keys:
+        found = v.deferred.pop(key, None)
+        if found is not None:
+            _add_row(model, v.peak, *found)
+
+
 def add_bounding_clauses(model: cp_model.CpModel, v: IlpVars) -> None:
     """Add ``v.bounding_clauses`` to ``model`` (see ``_Builder.hold_or_recompute``)."""
     for pair in v.bounding_clauses:
@@ -557,7 +586,8 @@ def keepable(graph: ComputeGraph, t: int) -> bool:
 
 
 def build_model(
-    graph: ComputeGraph, budget_bytes: int | None = None, *, window: int | None = None
+    graph: ComputeGraph, budget_bytes: int | None = None, *, window: int | None = None,
+    deferred_phases: frozenset[str] = frozenset(),
 ) -> tuple[cp_model.CpModel, IlpVars]:
     """The CP-SAT model of one-level plans for ``graph`` whose simulated peak is at most ``peak``
     (bounded by ``budget_bytes`` when given). The objective is left to the caller: minimise
@@ -566,11 +596,17 @@ def build_model(
 
     ``window``: the most nodes one region may span (default: all of them on graphs of up to
     ``DEFAULT_WINDOW`` nodes, else ``DEFAULT_WINDOW``); the model grows as nodes × window.
+
+    ``deferred_phases``: simulator phases (``"forward"``, ``"backward"``, ``"recompute"``) whose
+    memory rows are left out of the model and kept in ``vars.deferred`` by event
+    (``(phase, node)``, as ``simulation.Event`` names them), for ``add_events``: without them the
+    model is a relaxation (``solvers.ilp_proof`` adds the rows plans violate).
     """
     n = len(graph.nodes)
     if window is None:
         window = min(n, DEFAULT_WINDOW)
     b = _Builder(graph, budget_bytes, max(1, min(window, n)))
+    b.deferred_phases = deferred_phases
     b.decisions()
     b.structure()
     b.retention()
@@ -589,5 +625,6 @@ def build_model(
         window=b.W,
         counts={"variables": len(proto.variables), "constraints": len(proto.constraints)},
         bounding_clauses=b.bounding_clauses,
+        deferred=b.deferred,
     )
     return b.m, variables

@@ -10,14 +10,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ortools.sat.python import cp_model
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.simulation import simulate
 from ckptplan.solvers.dp import solve_dp
+from ckptplan.solvers.cpsat import fix_plan
 from ckptplan.solvers.ilp import build_model, least_peak, model_cost, model_peak, solve_ilp
-from ckptplan.solvers.ilp_model import COST_SCALE
+from ckptplan.solvers.ilp_model import COST_SCALE, add_events
+from ckptplan.solvers.ilp_proof import DEFERRED_PHASES, prove
 from ckptplan.solvers.sqrt import least_peak_regions, solve_sqrt
 from tests import models
 from tests.conftest import assert_same_gradients, load_example
@@ -219,6 +222,65 @@ def test_ilp_plans_are_deterministic() -> None:
         return plan.model_copy(update={"solver": plan.solver.model_copy(update={"seconds": 0.0})}).to_json()
 
     assert plan_json() == plan_json()
+
+
+# ----------------------------------------------------------------------------- proof phase
+def _relaxed_peak(graph: ComputeGraph, plan, *, add_back: bool) -> int:
+    """The least peak for a fixed plan in the model built without the rows of
+    ``DEFERRED_PHASES``, with all of them added back (``add_back``) or none."""
+    model, v = build_model(graph, None, deferred_phases=DEFERRED_PHASES)
+    assert {phase for phase, _ in v.deferred} == DEFERRED_PHASES
+    if add_back:
+        add_events(model, v, list(v.deferred))
+        assert not v.deferred
+    fix_plan(model, graph, v, tuple(plan))
+    model.Minimize(v.peak)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    assert solver.Solve(model) == cp_model.OPTIMAL
+    return int(solver.Value(v.peak))
+
+
+def test_deferred_rows_added_back_restore_the_model() -> None:
+    """Without its backward and recompute rows the model is a relaxation (a plan's peak there is
+    at most the simulator's, and lower for some); with them added back it is the model again."""
+    graph = skip_graph()
+    rng = random.Random(7)
+    relaxed_below = 0
+    for _ in range(40):
+        plan = random_plan(graph, rng)
+        peak = simulate(graph, plan).peak_bytes
+        assert _relaxed_peak(graph, plan, add_back=True) == peak, plan
+        relaxed = _relaxed_peak(graph, plan, add_back=False)
+        assert relaxed <= peak, plan
+        relaxed_below += relaxed < peak
+    assert relaxed_below > 0
+
+
+def test_the_proof_phase_finds_and_proves_the_whole_model_s_optimum() -> None:
+    """From the dearest plan that fits, ``prove`` (a relaxation gaining rows as plans break
+    them) ends where the whole model does: proven optimal, at the same cost, no dearer than
+    any plan of the exhaustive set; on some budget it needs rows it left out."""
+    graph = skip_graph()
+    rng = random.Random(2)
+    plans = [*one_level_plans(graph, max_keeps=0), *(random_plan(graph, rng) for _ in range(500))]
+    reports = [(plan, simulate(graph, plan)) for plan in plans]
+    peaks = sorted({r.peak_bytes for _, r in reports if r.peak_bytes < graph.baseline_peak_bytes})
+    rows = []
+    for budget in peaks[:: max(1, len(peaks) // 6)]:
+        fitting = [(plan, r) for plan, r in reports if r.peak_bytes <= budget]
+        dearest = max(fitting, key=lambda pr: pr[1].cost_seconds)[0]
+        proof = prove(graph, budget, tuple(dearest), seconds=60, announce=False)
+        assert proof.optimal, budget
+        found = simulate(graph, proof.regions)
+        assert found.peak_bytes <= budget
+        assert found.cost_seconds == pytest.approx(proof.cost / COST_SCALE, rel=1e-12)
+        assert found.cost_seconds <= min(r.cost_seconds for _, r in fitting) * (1 + 1e-9), budget
+        whole = solve_ilp(graph, budget, warm=[])
+        assert whole.solver.status == "optimal"
+        assert found.cost_seconds == pytest.approx(whole.prediction.cost_seconds, rel=1e-9), budget
+        rows.append(proof.rows)
+    assert max(rows) > 0
 
 
 # ----------------------------------------------------------------------------- real models

@@ -1,0 +1,169 @@
+"""Running CP-SAT on the ``ilp`` model: solve under limits, keep Ctrl-C meaning "stop and keep
+the best plan", and move plans in and out of the model (fix, hint, extract, cut off)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from ckptplan.errors import CkptPlanError
+from ckptplan.graph import ComputeGraph
+from ckptplan.plan import Region
+from ckptplan.solvers.ilp_model import IlpVars
+
+MIN_WALL_SECONDS = 1.0  # the wall-clock backup of even the shortest search
+
+
+@dataclass(frozen=True)
+class CpResult:
+    """What one CP-SAT run found: ``regions`` is None when it found no plan; ``objective`` and
+    ``bound`` (a proven lower bound) are recompute costs in ``ilp_model.COST_SCALE`` units
+    (``regions`` may have been simplified to no higher a cost)."""
+
+    status: str
+    regions: tuple[Region, ...] | None
+    objective: float
+    bound: float
+    seconds: float
+    interrupted: bool = False
+
+
+def extract_regions(graph: ComputeGraph, v: IlpVars, value) -> tuple[Region, ...]:
+    """Regions from the decision values (``value(var) -> int``), in execution order."""
+    regions: list[Region] = []
+    n = len(graph.nodes)
+    t = 0
+    while t < n:
+        if not value(v.rec[t]):
+            t += 1
+            continue
+        end = t + 1
+        while end < n and value(v.rec[end]) and not value(v.start[end]):
+            end += 1
+        keep = tuple(graph.nodes[j].name for j in range(t, end) if j in v.keep and value(v.keep[j]))
+        regions.append(Region(t, end, keep=keep))
+        t = end
+    return tuple(regions)
+
+
+def fix_plan(
+    model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...], *, free: range = range(0)
+) -> None:
+    """Force the decisions of a one-level plan, except those of the nodes in ``free``, which are
+    only hinted."""
+    n = len(graph.nodes)
+    rec, start, keep = [0] * n, [0] * n, [0] * n
+    for region in regions:
+        start[region.start] = 1
+        for i in range(region.start, region.end):
+            rec[i] = 1
+        for name in region.keep:
+            keep[graph.index_of[name]] = 1
+    for t in range(n):
+        pairs = [(v.rec[t], rec[t]), (v.start[t], start[t])]
+        if t in v.keep:
+            pairs.append((v.keep[t], keep[t]))
+        elif keep[t]:
+            raise CkptPlanError(f"node {graph.nodes[t].name!r} cannot be kept")
+        for var, value in pairs:
+            if t in free:
+                model.AddHint(var, value)
+            else:
+                model.Add(var == value)
+
+
+
+def hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...]) -> None:
+    """Hint every variable, not just the decisions: a copy of the model with the plan fixed
+    is solved for the values of the derived variables (CP-SAT repairs partial hints slowly)."""
+    fixed = model.Clone()
+    fix_plan(fixed, graph, v, regions)
+    fixed.ClearObjective()
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_time_in_seconds = 10.0
+    if solve_keeping_sigint(solver, fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        fix_plan(model, graph, v, regions, free=range(len(graph.nodes)))
+        return
+    for index in range(len(model.Proto().variables)):
+        var = model.GetIntVarFromProtoIndex(index)
+        model.AddHint(var, solver.Value(fixed.GetIntVarFromProtoIndex(index)))
+
+
+def exclude_solution(model: cp_model.CpModel, v: IlpVars, solver: cp_model.CpSolver) -> None:
+    """Cut off exactly the decisions ``solver`` last found."""
+    literals = []
+    for var in [*v.rec, *v.start, *v.keep.values()]:
+        literals.append(var.Not() if solver.Value(var) else var)
+    model.AddBoolOr(literals)
+
+
+# Set by a Ctrl-C during any search of one ``solve_ilp`` call (which clears it): every later
+# search of that call is skipped, so the best plan so far comes back at once.
+stopped = threading.Event()
+
+
+class StoppingCallback(cp_model.CpSolverSolutionCallback):
+    """A solution callback that may end the search itself (``stop``), which ``interrupted``
+    must not take for a Ctrl-C."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopped_search = False
+
+    def stop(self) -> None:
+        self.stopped_search = True
+        self.StopSearch()
+
+
+def solve_keeping_sigint(
+    solver: cp_model.CpSolver, model: cp_model.CpModel, callback: StoppingCallback | None = None
+) -> int:
+    """``solver.Solve(model, callback)``, leaving Ctrl-C as it found it, or nothing once Ctrl-C
+    was pressed (``stopped``). CP-SAT turns a SIGINT during the search into an early return, but
+    afterwards leaves the signal's default action (end the process at once) where Python's
+    handler was, so a later Ctrl-C would lose the plan."""
+    if stopped.is_set():
+        return cp_model.UNKNOWN
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        code = solver.Solve(model, callback)
+    except KeyboardInterrupt:
+        stopped.set()
+        raise
+    finally:
+        if handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, handler)
+    if not (callback is not None and callback.stopped_search) and interrupted(solver):
+        stopped.set()
+    return code
+
+
+def interrupted(solver: cp_model.CpSolver) -> bool:
+    """The search stopped before proving anything and before either clock ran out: CP-SAT caught
+    a SIGINT (Ctrl-C), which it turns into an early return."""
+    params = solver.parameters
+    response = solver.ResponseProto()
+    wall_left = solver.WallTime() < 0.95 * params.max_time_in_seconds
+    clock_left = response.deterministic_time < 0.95 * params.max_deterministic_time
+    return response.status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and wall_left and clock_left
+
+
+def configure(
+    solver: cp_model.CpSolver, *, wall_seconds: float, deterministic_seconds: float, workers: int, seed: int
+) -> None:
+    """Limits and search parameters. One worker stopped by CP-SAT's deterministic clock finds the
+    same plan on every run: callers give it ``DETERMINISTIC_SECONDS_PER_SECOND`` of the time they
+    were *asked* to take (never of what is left, which depends on the machine's load), and the
+    wall-clock limit only backs it up (at least ``MIN_WALL_SECONDS``, so that a short search on a
+    loaded machine still ends on its deterministic clock). More workers search better but not
+    reproducibly."""
+    solver.parameters.max_time_in_seconds = max(MIN_WALL_SECONDS, wall_seconds)
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = seed
+    if workers == 1:
+        solver.parameters.max_deterministic_time = max(0.01, deterministic_seconds)
+
