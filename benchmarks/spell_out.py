@@ -122,8 +122,8 @@ def pricing_rows() -> list[str]:
     spelled = parts.nodes[parts.index_of["attn_query"]:parts.index_of["attn_out"] + 1]
     return [
         f"| whole | `{attention.name}` | {attention.fwd_cost * 1e6:.1f} | {whole.step_cost * 1e3:.2f} |",
-        f"| spelled out | {', '.join(f'`{n.name}`' for n in spelled)} | "
-        f"{sum(n.fwd_cost for n in spelled) * 1e6:.1f} | {parts.step_cost * 1e3:.2f} |",
+        (f"| spelled out | {', '.join(f'`{n.name}`' for n in spelled)} | "
+         f"{sum(n.fwd_cost for n in spelled) * 1e6:.1f} | {parts.step_cost * 1e3:.2f} |"),
     ]
 
 

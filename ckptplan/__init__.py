@@ -45,7 +45,7 @@ _LAZY = {
     "measure_roofline": "ckptplan.planner",
 }
 
-__all__ = [
+__all__ = [  # noqa: PLE0604 (ruff cannot see that _LAZY's keys are strings)
     "BudgetError",
     "CkptPlanError",
     "ComputeGraph",

@@ -16,8 +16,8 @@ import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.simulation import simulate
-from ckptplan.solvers.dp import solve_dp
 from ckptplan.solvers.cpsat import fix_plan
+from ckptplan.solvers.dp import solve_dp
 from ckptplan.solvers.ilp import build_model, least_peak, model_cost, model_peak, solve_ilp
 from ckptplan.solvers.ilp_model import COST_SCALE, add_events
 from ckptplan.solvers.ilp_proof import DEFERRED_PHASES, prove
