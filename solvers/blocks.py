@@ -201,7 +201,7 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
         least = min([least_peak_regions(sub)[1], *(p.prediction.peak_bytes for p in starts)])
         if thorough:
             try:
-                solve_flat(sub, sub.static.resident_bytes, time_limit=per_solve, warm=(), announce=False)
+                solve_flat(sub, sub.static.resident_bytes, time_limit=per_solve, warm=(), announce=False, lazy=False)
                 least = sub.static.resident_bytes
             except InfeasibleBudgetError as error:
                 least = min(least, error.min_peak_bytes)
@@ -210,7 +210,7 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
             warm = [p for p in starts if p.prediction.peak_bytes <= budget]
             warm += warm_plans(sub, budget, per_solve, names=warm_solvers)
             try:
-                plan = solve_flat(sub, budget, time_limit=per_solve, warm=warm, announce=False)
+                plan = solve_flat(sub, budget, time_limit=per_solve, warm=warm, announce=False, lazy=False)
             except InfeasibleBudgetError:
                 continue
             clipped = tuple(

@@ -1,11 +1,10 @@
 """Running CP-SAT on the ``ilp`` model: solve under limits, keep Ctrl-C meaning "stop and keep
-the best plan", and move plans in and out of the model (fix, hint, extract, cut off)."""
+the best plan", and move plans in and out of the model (fix, hint, extract)."""
 
 from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
@@ -15,20 +14,6 @@ from ckptplan.plan import Region
 from ckptplan.solvers.ilp_model import IlpVars
 
 MIN_WALL_SECONDS = 1.0  # the wall-clock backup of even the shortest search
-
-
-@dataclass(frozen=True)
-class CpResult:
-    """What one CP-SAT run found: ``regions`` is None when it found no plan; ``objective`` and
-    ``bound`` (a proven lower bound) are recompute costs in ``ilp_model.COST_SCALE`` units
-    (``regions`` may have been simplified to no higher a cost)."""
-
-    status: str
-    regions: tuple[Region, ...] | None
-    objective: float
-    bound: float
-    seconds: float
-    interrupted: bool = False
 
 
 def extract_regions(graph: ComputeGraph, v: IlpVars, value) -> tuple[Region, ...]:
@@ -91,14 +76,6 @@ def hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regi
     for index in range(len(model.Proto().variables)):
         var = model.GetIntVarFromProtoIndex(index)
         model.AddHint(var, solver.Value(fixed.GetIntVarFromProtoIndex(index)))
-
-
-def exclude_solution(model: cp_model.CpModel, v: IlpVars, solver: cp_model.CpSolver) -> None:
-    """Cut off exactly the decisions ``solver`` last found."""
-    literals = []
-    for var in [*v.rec, *v.start, *v.keep.values()]:
-        literals.append(var.Not() if solver.Value(var) else var)
-    model.AddBoolOr(literals)
 
 
 # Set by a Ctrl-C during any search of one ``solve_ilp`` call (which clears it): every later

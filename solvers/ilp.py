@@ -1,15 +1,15 @@
 """Solver ``ilp``: the cheapest one-level plan with per-node keep-sets, by CP-SAT (OR-Tools).
 
 Three steps, kept apart: ``build_model`` (``solvers.ilp_model``) states the plan space and the
-simulator's memory as constraints; ``run_cp_sat`` solves it under a time limit (half of it on
-the whole model, then ``improve_locally``, a large-neighbourhood search over windows of nodes,
-if that did not prove optimality); ``extract_regions`` (``solvers.cpsat``) reads the plan back.
-Both searches use one worker and CP-SAT's deterministic clock, so the plan is reproducible; the
-time they leave goes to ``solvers.ilp_proof``, which proves the plan optimal or finds a cheaper
-one on a relaxation of the model that gains memory rows as plans break them. The ``sqrt`` and
-``dp`` plans warm-start the search (as hints when they are one-level) and stay candidates: a
-time-limited solve never returns anything worse than them. Every plan is re-simulated; should
-the simulator disagree with the model (a bug), the plan is cut off and the model solved again.
+simulator's memory as constraints; ``solvers.ilp_lazy`` solves it under a time limit, starting
+from a relaxation without most memory rows and adding those that plans break; ``extract_regions``
+(``solvers.cpsat``) reads the plan back. The reproducible search (one worker on CP-SAT's
+deterministic clock: half of it lazily, the rest in ``improve_locally``, a large-neighbourhood
+search over windows of nodes on the whole model) leaves its time to the proof phase, the lazy
+search again with CP-SAT's parallel portfolio, which proves the plan optimal or finds a cheaper
+one. The ``sqrt`` and ``dp`` plans warm-start the search (as hints when they are one-level) and
+stay candidates: a time-limited solve never returns anything worse than them. Every plan is
+simulated before it is taken.
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ from ckptplan.simulation import simulate
 from ckptplan.solvers import blocks
 from ckptplan.solvers.cpsat import (
     MIN_WALL_SECONDS,
-    CpResult,
     configure,
-    exclude_solution,
     extract_regions,
     fix_plan,
     hint_complete,
@@ -38,8 +36,8 @@ from ckptplan.solvers.cpsat import (
     solve_keeping_sigint,
     stopped,
 )
-from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, build_model
-from ckptplan.solvers.ilp_proof import prove
+from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, PROOF_WORKERS, search_lazily
+from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, build_model, region_window
 from ckptplan.solvers.registry import get_solver, register
 from ckptplan.solvers.sqrt import least_peak_regions
 from ckptplan.units import describe_bytes
@@ -47,7 +45,6 @@ from ckptplan.units import describe_bytes
 log = logging.getLogger(__name__)
 
 DEFAULT_TIME_LIMIT = 60.0  # seconds, when the caller gives none
-MAX_CUTS = 5  # re-solves after a simulator disagreement before giving up on the model's plan
 WARM_SOLVERS = ("dp", "sqrt")
 # CP-SAT's deterministic clock ran at 0.4-0.6 of wall time on the examples here (2 cores); a
 # limit of 0.3 of the time left stops the search on that clock well before the wall clock.
@@ -58,7 +55,7 @@ GLOBAL_SHARE = 0.5  # of the time left after warm starts: the whole-model search
 FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
 HIERARCHICAL_SHARE = 0.25  # of the time limit, on smaller graphs: the block-by-block warm start
-# The proof phase (``solvers.ilp_proof``) runs on whatever time the reproducible search leaves,
+# The proof phase (``ilp_lazy`` with ``PROOF_WORKERS``) runs on the time the reproducible search leaves,
 # if at least this much: CP-SAT's portfolio of 8 workers needs seconds to start raising its bound.
 MIN_PROOF_SECONDS = 5.0
 
@@ -158,55 +155,6 @@ def _sweeps(
                 best, best_cost, improved = candidate, report.cost_seconds, True
                 found[0] = best
 
-
-
-def run_cp_sat(
-    model: cp_model.CpModel,
-    graph: ComputeGraph,
-    v: IlpVars,
-    *,
-    time_limit: float,
-    deterministic_seconds: float,
-    workers: int,
-    seed: int,
-    budget_bytes: int,
-    announce: bool = True,
-) -> CpResult:
-    """Solve, re-simulate, and cut off plans the simulator rejects (at most ``MAX_CUTS``), within
-    ``time_limit`` seconds and ``deterministic_seconds`` of CP-SAT's deterministic clock.
-    ``announce``: log the search at INFO (the small searches of block policies log at DEBUG)."""
-    started = time.perf_counter()
-    clock_left = deterministic_seconds
-    for _ in range(MAX_CUTS + 1):
-        solver = cp_model.CpSolver()
-        configure(solver, wall_seconds=time_limit - (time.perf_counter() - started),
-                   deterministic_seconds=clock_left, workers=workers, seed=seed)
-        try:  # from the moment the search is announced, Ctrl-C means "stop and keep the best"
-            log.log(logging.INFO if announce else logging.DEBUG,
-                    "ilp: searching %d variables for up to %.0f s; Ctrl-C stops early and keeps the best plan",
-                    v.counts["variables"], solver.parameters.max_time_in_seconds)
-            code = solve_keeping_sigint(solver, model)
-        except KeyboardInterrupt:  # pressed just before CP-SAT took over SIGINT
-            stopped.set()
-            return CpResult("UNKNOWN", None, float("inf"), 0.0, time.perf_counter() - started, interrupted=True)
-        name = solver.StatusName(code)
-        if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return CpResult(
-                name, None, float("inf"), solver.BestObjectiveBound(), time.perf_counter() - started,
-                interrupted=interrupted(solver),
-            )
-        regions = extract_regions(graph, v, solver.Value)
-        peak = simulate(graph, regions).peak_bytes
-        if peak <= budget_bytes:
-            regions = simplify(graph, regions, budget_bytes)
-            return CpResult(
-                name, regions, solver.ObjectiveValue(), solver.BestObjectiveBound(), time.perf_counter() - started,
-                interrupted=interrupted(solver),
-            )
-        log.warning("ilp model and simulator disagree on %s (%d > %d bytes); cutting it off", regions, peak, budget_bytes)
-        exclude_solution(model, v, solver)
-        clock_left -= solver.ResponseProto().deterministic_time
-    return CpResult("UNKNOWN", None, float("inf"), 0.0, time.perf_counter() - started)
 
 
 def model_peak(
@@ -379,19 +327,23 @@ def solve_flat(
     warm: Sequence[Plan] | None = None,
     announce: bool = True,
     deadline: float | None = None,
+    lazy: bool = True,
 ) -> Plan:
     """``solve_ilp`` on the whole graph as one CP-SAT model.
 
-    ``time_limit`` (seconds, default ``DEFAULT_TIME_LIMIT``) bounds the reproducible search, and
-    sets its deterministic clock; ``deadline`` (a ``time.perf_counter()`` value), the end of the
-    caller's own limit, can end that search sooner on the wall clock, and the proof phase runs
-    until it (the caller's time not spent before this call). With
-    ``workers=1`` (the default) and a fixed ``seed`` the search is reproducible (see
+    ``time_limit`` (seconds, default ``DEFAULT_TIME_LIMIT``) bounds the reproducible search
+    (``ilp_lazy.search_lazily`` with ``workers``, then ``improve_locally``), and sets its
+    deterministic clock; ``deadline`` (a ``time.perf_counter()`` value), the end of the caller's
+    own limit, can end that search sooner on the wall clock, and the proof phase (the same
+    search with ``PROOF_WORKERS``) runs until it (the caller's time not spent before this call).
+    With ``workers=1`` (the default) and a fixed ``seed`` the search is reproducible (see
     ``configure``); more workers usually find cheaper plans in the same time. Status:
     ``optimal`` (proven for this plan space), ``feasible`` with the proven relative gap, or
     ``timeout`` when the search found nothing better than the warm-start plan it returns.
     ``window`` bounds the nodes per region (see ``build_model``). ``warm``: plans to start from
-    (default: those of ``WARM_SOLVERS``), returned instead when cheaper.
+    (default: those of ``WARM_SOLVERS``), returned instead when cheaper. ``lazy=False``: the
+    reproducible search states every memory row up front (``solvers.blocks`` on small blocks
+    and short clocks, where restarting after each broken row costs more than it saves).
     """
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
@@ -403,41 +355,41 @@ def solve_flat(
                        note="the budget holds the step without checkpointing"),
         )
     warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit)
-    model, v = build_model(graph, budget_bytes, window=window)
-    model.Minimize(v.cost)
     one_level = [p for p in warm if all(not r.children for r in p.regions)]
-    if one_level:
-        best_hint = min(one_level, key=lambda p: p.prediction.cost_seconds)
-        hint_complete(model, graph, v, best_hint.regions)
-    remaining = max(0.1, end - time.perf_counter())
+    start = min(one_level, key=lambda p: p.prediction.cost_seconds).regions if one_level else None
     clock = limit * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not the time left: reproducible
-    result = run_cp_sat(
-        model, graph, v, time_limit=remaining * GLOBAL_SHARE, deterministic_seconds=clock * GLOBAL_SHARE,
-        workers=workers, seed=seed, budget_bytes=budget_bytes, announce=announce,
+    found = search_lazily(
+        graph, budget_bytes, start, seconds=max(0.1, end - time.perf_counter()) * GLOBAL_SHARE, workers=workers,
+        deterministic_seconds=clock * GLOBAL_SHARE, seed=seed, window=window, announce=announce,
+        deferred_phases=DEFERRED_PHASES if lazy else frozenset(),
     )
-    if result.status != "OPTIMAL" and not result.interrupted:
-        incumbent = result.regions
-        if incumbent is None and one_level:
-            incumbent = best_hint.regions
-        if incumbent is not None:
-            model.ClearHints()
-            local = improve_locally(
-                model, graph, v, incumbent, budget_bytes, deadline=end,
-                deterministic_seconds=clock * (1 - GLOBAL_SHARE), seed=seed,
-            )
-            if local != result.regions:
-                cost = simulate(graph, local).cost_seconds * COST_SCALE
-                result = CpResult("FEASIBLE", local, cost, result.bound, time.perf_counter() - started)
+    status, regions, bound = found.status, found.regions, found.bound
+    if regions is not None and regions != start:
+        regions = simplify(graph, regions, budget_bytes)
+    if status == "FEASIBLE" and not stopped.is_set():
+        model, v = build_model(graph, budget_bytes, window=window)
+        model.Minimize(v.cost)
+        regions = improve_locally(
+            model, graph, v, regions, budget_bytes, deadline=end,
+            deterministic_seconds=clock * (1 - GLOBAL_SHARE), seed=seed,
+        )
     left = (end if deadline is None else deadline) - time.perf_counter()
     proof_note = ""
-    if result.regions is not None and result.status != "OPTIMAL" and not result.interrupted and left >= MIN_PROOF_SECONDS:
-        result, proof_note = _prove(graph, result, budget_bytes, seconds=left, seed=seed, window=window,
-                                    announce=announce)
-    size = f"{len(graph.nodes)} nodes, {v.counts['variables']} variables, {v.counts['constraints']} constraints"
-    if v.window < len(graph.nodes):
-        size += f", regions of at most {v.window} nodes"
-    if result.regions is None:
-        if result.status == "INFEASIBLE":
+    if status == "FEASIBLE" and not stopped.is_set() and left >= MIN_PROOF_SECONDS:
+        proof = search_lazily(graph, budget_bytes, regions, seconds=left, workers=PROOF_WORKERS, seed=seed,
+                              window=window, bound=bound, announce=announce)
+        if proof.regions != regions:  # strictly cheaper: the reproducible search's plan stands otherwise
+            regions = simplify(graph, proof.regions, budget_bytes)
+        if proof.status == "OPTIMAL":
+            status = "OPTIMAL"
+        bound = max(bound, proof.bound)
+        proof_note = f"; proof phase: {proof.describe()}"
+    size = (f"{len(graph.nodes)} nodes, {found.variables} variables, {found.constraints} constraints; "
+            f"search: {found.describe()}")
+    if region_window(graph, window) < len(graph.nodes):
+        size += f", regions of at most {region_window(graph, window)} nodes"
+    if regions is None:
+        if status == "INFEASIBLE":
             least, proven = least_peak(graph, time_limit=end - time.perf_counter(), deterministic_seconds=clock,
                                        workers=workers, seed=seed, window=window)
             reach = (
@@ -462,7 +414,7 @@ def solve_flat(
         note = f"no ilp plan within {limit:g} s ({size}); returning the {_origin(fallback)} plan"
         return fallback.model_copy(update={"solver": SolverInfo(
             name="ilp", status="timeout", seconds=time.perf_counter() - started, note=note)})
-    plan = solver_plan(graph, result.regions, budget_bytes, SolverInfo(name="ilp", status="feasible", seconds=0.0))
+    plan = solver_plan(graph, regions, budget_bytes, SolverInfo(name="ilp", status="feasible", seconds=0.0))
     better_warm = [p for p in warm if p.prediction.cost_seconds < plan.prediction.cost_seconds]
     if better_warm:
         # Only a nested dp plan can beat the optimum of the one-level space, or a stopped search.
@@ -470,40 +422,14 @@ def solve_flat(
         note = f"the {_origin(best)} plan is cheaper than the best one-level plan found ({size})"
         return best.model_copy(update={"solver": SolverInfo(
             name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note)})
-    proven = result.status == "OPTIMAL"
-    gap = 0.0 if proven else _gap(result)
-    note = f"one-level regions with keep-sets, {size}" + (f"; {proof_note}" if proof_note else "")
+    cost = plan.prediction.cost_seconds * COST_SCALE
+    gap = 0.0 if status == "OPTIMAL" or cost <= 0 else max(0.0, (cost - bound) / cost)
+    note = f"one-level regions with keep-sets, {size}{proof_note}"
     return plan.model_copy(update={"solver": SolverInfo(
-        name="ilp", status="optimal" if proven else "feasible", seconds=time.perf_counter() - started,
+        name="ilp", status="optimal" if status == "OPTIMAL" else "feasible", seconds=time.perf_counter() - started,
         gap=gap, note=note)})
-
-
-def _prove(
-    graph: ComputeGraph, result: CpResult, budget_bytes: int, *, seconds: float, seed: int, window: int | None,
-    announce: bool,
-) -> tuple[CpResult, str]:
-    """``ilp_proof.prove`` from ``result``, and a note on it for the plan. The plan changes only
-    for one of strictly lower simulated cost, so the reproducible search's plan stands unless
-    this phase beats it; a proof or a higher lower bound only changes the status and gap."""
-    proof = prove(graph, budget_bytes, result.regions, seconds=seconds, seed=seed, window=window,
-                  bound=result.bound, announce=announce)
-    regions, cost = result.regions, result.objective
-    if proof.regions != result.regions:
-        regions = simplify(graph, proof.regions, budget_bytes)
-        cost = simulate(graph, regions).cost_seconds * COST_SCALE
-    status = "OPTIMAL" if proof.optimal else result.status
-    note = (f"proof phase: {proof.rounds} round(s), {proof.rows} of {proof.deferred} backward and recompute "
-            "memory rows needed")
-    return CpResult(status, regions, cost, min(proof.bound, cost), result.seconds + proof.seconds,
-                    interrupted=stopped.is_set()), note
 
 
 def _origin(plan: Plan) -> str:
     """How a warm-start plan was made, for notes."""
     return HIERARCHICAL if plan.solver.note.startswith(HIERARCHICAL) else plan.solver.name
-
-
-def _gap(result: CpResult) -> float | None:
-    if result.objective <= 0:
-        return 0.0
-    return max(0.0, (result.objective - result.bound) / result.objective)

@@ -585,6 +585,12 @@ def keepable(graph: ComputeGraph, t: int) -> bool:
     return not node.random and bool(graph.produced_by(t)) and later_inplace_writer(graph, t) is None
 
 
+def region_window(graph: ComputeGraph, window: int | None) -> int:
+    """The most nodes one region may span in the model ``build_model(graph, window=window)``."""
+    n = len(graph.nodes)
+    return max(1, min(DEFAULT_WINDOW if window is None else window, n))
+
+
 def build_model(
     graph: ComputeGraph, budget_bytes: int | None = None, *, window: int | None = None,
     deferred_phases: frozenset[str] = frozenset(),
@@ -600,12 +606,9 @@ def build_model(
     ``deferred_phases``: simulator phases (``"forward"``, ``"backward"``, ``"recompute"``) whose
     memory rows are left out of the model and kept in ``vars.deferred`` by event
     (``(phase, node)``, as ``simulation.Event`` names them), for ``add_events``: without them the
-    model is a relaxation (``solvers.ilp_proof`` adds the rows plans violate).
+    model is a relaxation (``solvers.ilp_lazy`` adds the rows plans violate).
     """
-    n = len(graph.nodes)
-    if window is None:
-        window = min(n, DEFAULT_WINDOW)
-    b = _Builder(graph, budget_bytes, max(1, min(window, n)))
+    b = _Builder(graph, budget_bytes, region_window(graph, window))
     b.deferred_phases = deferred_phases
     b.decisions()
     b.structure()

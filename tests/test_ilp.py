@@ -19,8 +19,8 @@ from ckptplan.simulation import simulate
 from ckptplan.solvers.cpsat import fix_plan
 from ckptplan.solvers.dp import solve_dp
 from ckptplan.solvers.ilp import build_model, least_peak, model_cost, model_peak, solve_ilp
+from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, PROOF_WORKERS, search_lazily
 from ckptplan.solvers.ilp_model import COST_SCALE, add_events
-from ckptplan.solvers.ilp_proof import DEFERRED_PHASES, prove
 from ckptplan.solvers.sqrt import least_peak_regions, solve_sqrt
 from tests import models
 from tests.conftest import assert_same_gradients, load_example
@@ -257,10 +257,12 @@ def test_deferred_rows_added_back_restore_the_model() -> None:
     assert relaxed_below > 0
 
 
-def test_the_proof_phase_finds_and_proves_the_whole_model_s_optimum() -> None:
-    """From the dearest plan that fits, ``prove`` (a relaxation gaining rows as plans break
-    them) ends where the whole model does: proven optimal, at the same cost, no dearer than
-    any plan of the exhaustive set; on some budget it needs rows it left out."""
+@pytest.mark.parametrize("workers", [1, PROOF_WORKERS])
+def test_the_lazy_search_finds_and_proves_the_exhaustive_optimum(workers: int) -> None:
+    """From the dearest plan that fits, ``search_lazily`` (a relaxation gaining rows as plans
+    break them) ends proven optimal, no dearer than any plan of the exhaustive set, with one
+    worker (the reproducible search) or the portfolio (the proof phase); on some budget it
+    needs rows it left out; and below every plan's peak it proves the budget infeasible."""
     graph = skip_graph()
     rng = random.Random(2)
     plans = [*one_level_plans(graph, max_keeps=0), *(random_plan(graph, rng) for _ in range(500))]
@@ -270,19 +272,20 @@ def test_the_proof_phase_finds_and_proves_the_whole_model_s_optimum() -> None:
     for budget in peaks[:: max(1, len(peaks) // 6)]:
         fitting = [(plan, r) for plan, r in reports if r.peak_bytes <= budget]
         dearest = max(fitting, key=lambda pr: pr[1].cost_seconds)[0]
-        proof = prove(graph, budget, tuple(dearest), seconds=60, announce=False)
-        assert proof.optimal, budget
-        found = simulate(graph, proof.regions)
-        assert found.peak_bytes <= budget
-        assert found.cost_seconds == pytest.approx(proof.cost / COST_SCALE, rel=1e-12)
-        assert found.cost_seconds <= min(r.cost_seconds for _, r in fitting) * (1 + 1e-9), budget
-        whole = solve_ilp(graph, budget, warm=[])
-        assert whole.solver.status == "optimal"
-        assert found.cost_seconds == pytest.approx(whole.prediction.cost_seconds, rel=1e-9), budget
-        rows.append(proof.rows)
+        found = search_lazily(graph, budget, tuple(dearest), seconds=60, workers=workers,
+                              deterministic_seconds=60, announce=False)
+        assert found.status == "OPTIMAL", budget
+        report = simulate(graph, found.regions)
+        assert report.peak_bytes <= budget
+        assert report.cost_seconds == pytest.approx(found.cost / COST_SCALE, rel=1e-12)
+        assert report.cost_seconds <= min(r.cost_seconds for _, r in fitting) * (1 + 1e-9), budget
+        rows.append(found.rows)
     assert max(rows) > 0
-
-
+    least, proven = least_peak(graph, time_limit=30, deterministic_seconds=30, workers=1, seed=0, window=None)
+    assert proven
+    below = search_lazily(graph, least - 1, None, seconds=60, workers=workers, deterministic_seconds=60,
+                          announce=False)
+    assert below.status == "INFEASIBLE" and below.regions is None
 # ----------------------------------------------------------------------------- real models
 def test_keep_set_plan_on_unet_runs_with_equal_gradients_and_measured_peak() -> None:
     model, args = load_example("unet").build()

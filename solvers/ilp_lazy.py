@@ -1,0 +1,189 @@
+"""How solver ``ilp`` searches: CP-SAT on a relaxation of the model whose memory rows join it
+only once a plan breaks them (row generation, or lazy constraints).
+
+Most of the model is the memory of backward and recompute events (``ilp_model``: one row per
+node and phase, each a sum over the storages alive there, with the booleans that define them),
+yet at an optimum only a few of those rows bind, near the start of backward where the peak
+sits. So the search builds the model with the forward rows only (and
+``IlpVars.bounding_clauses``), simulates every plan CP-SAT reports, and, as soon as one breaks
+the budget, adds the rows of the events where it does and searches again, hinted with the
+cheapest plan that fits. Every model along the way is a relaxation of the whole model, so each
+lower bound CP-SAT proves holds for the whole model too: the search is done, proven optimal,
+when the bound meets the cheapest plan the simulator accepts; and a relaxation without plans
+proves the budget infeasible. Branch-and-cut solvers treat rows too many to state up front the
+same way.
+
+Two uses, one loop: with one worker on CP-SAT's deterministic clock (the callback's decisions
+depend only on the plans, which one worker finds in a fixed order) the search is reproducible;
+with ``PROOF_WORKERS``, CP-SAT's portfolio, whose LP- and core-based workers raise the lower
+bound, it is the proof phase. Measured with ``benchmarks/ilp_speed.py --proof-only`` (8 workers,
+2 cores, from the block-by-block plan): the U-Net, ResNet, GPT example and a two-layer GPT-2, at
+70% and 50% of their peaks, proven optimal in 5-41 s each; on the whole model the GPT example
+never got a bound above zero in 60 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from ckptplan.graph import ComputeGraph
+from ckptplan.plan import Region
+from ckptplan.simulation import simulate
+from ckptplan.solvers.cpsat import (
+    MIN_WALL_SECONDS,
+    StoppingCallback,
+    configure,
+    extract_regions,
+    hint_complete,
+    solve_keeping_sigint,
+    stopped,
+)
+from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, add_events, build_model
+
+log = logging.getLogger(__name__)
+
+DEFERRED_PHASES = frozenset({"backward", "recompute"})
+PROOF_WORKERS = 8
+MIN_CLOCK_SECONDS = 0.01  # a deterministic clock with less left than this ends the search
+
+
+@dataclass(frozen=True)
+class LazyResult:
+    """Where the search ended. ``status``: ``OPTIMAL`` (``regions`` proven cheapest),
+    ``FEASIBLE``, ``INFEASIBLE`` (no plan fits the budget; proven) or ``UNKNOWN`` (no plan found
+    in time). ``regions`` is the cheapest plan the simulator accepted (the one given unless a
+    strictly cheaper one was found), ``cost`` its simulated cost and ``bound`` a proven lower
+    bound on every plan's, in ``COST_SCALE`` units. ``rows`` counts the event rows added of the
+    ``deferred`` left out, over ``rounds`` CP-SAT runs; ``variables`` and ``constraints`` size the
+    final model."""
+
+    status: str
+    regions: tuple[Region, ...] | None
+    cost: float
+    bound: float
+    rounds: int
+    rows: int
+    deferred: int
+    variables: int
+    constraints: int
+    seconds: float
+
+    def describe(self) -> str:
+        if not self.deferred:
+            return f"the whole model, {self.rounds} round(s)"
+        return f"{self.rows} of {self.deferred} backward and recompute memory rows needed, {self.rounds} round(s)"
+
+
+class _Watcher(StoppingCallback):
+    """Simulates each plan the search reports: keeps the cheapest that fits the budget, and
+    stops the search at the first that does not and breaks rows the model still lacks
+    (``violated``: those events)."""
+
+    def __init__(self, graph: ComputeGraph, v: IlpVars, budget_bytes: int, best_cost: float) -> None:
+        super().__init__()
+        self.graph, self.v, self.budget_bytes = graph, v, budget_bytes
+        self.best: tuple[Region, ...] | None = None
+        self.best_cost = best_cost
+        self.violated: set[tuple[str, int]] = set()
+
+    def on_solution_callback(self) -> None:
+        regions = extract_regions(self.graph, self.v, self.Value)
+        report = simulate(self.graph, regions)
+        over = {(e.phase, e.node) for e in report.timeline if e.live_bytes > self.budget_bytes}
+        missing = over & self.v.deferred.keys()
+        if missing:
+            self.violated |= missing
+            self.stop()
+        elif not over and report.cost_seconds < self.best_cost:
+            self.best, self.best_cost = regions, report.cost_seconds
+
+
+def search_lazily(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    regions: tuple[Region, ...] | None,
+    *,
+    seconds: float,
+    workers: int,
+    deterministic_seconds: float | None = None,
+    seed: int = 0,
+    window: int | None = None,
+    bound: float = 0.0,
+    announce: bool = True,
+    deferred_phases: frozenset[str] = DEFERRED_PHASES,
+) -> LazyResult:
+    """The cheapest one-level plan within ``budget_bytes`` the search finds in ``seconds``,
+    starting from ``regions`` (a plan that fits, or None). With one worker the rounds share
+    ``deterministic_seconds`` of CP-SAT's clock and the result is reproducible (see
+    ``cpsat.configure``). ``bound``: a lower bound already proven. ``deferred_phases``: the
+    phases whose rows wait for a plan to break them (none: one search on the whole model).
+    Ctrl-C ends the search with the best plan so far."""
+    started = time.perf_counter()
+    deadline = started + seconds
+    model, v = build_model(graph, budget_bytes, window=window, deferred_phases=deferred_phases)
+    if deferred_phases:  # the relaxation's bound rests on them; the whole model's search does better without
+        add_bounding_clauses(model, v)
+    model.Minimize(v.cost)
+    deferred = len(v.deferred)
+    best, best_cost = regions, math.inf if regions is None else simulate(graph, regions).cost_seconds
+    # The model rounds each node's cost to a whole COST_SCALE unit: its objective for a plan may
+    # fall short of the simulated cost by half a unit per term (recomputed, start, inkeep).
+    slack = 1.5 * len(graph.nodes) + 1
+    clock = deterministic_seconds if workers == 1 else None
+    status, rounds = "UNKNOWN", 0
+    while not stopped.is_set():
+        left = deadline - time.perf_counter()
+        if clock is not None and clock < MIN_CLOCK_SECONDS:
+            break
+        # The first round always runs (for at least MIN_WALL_SECONDS: see ``configure``); later
+        # ones while the wall clock lasts, or, for the portfolio, while a round can still get going.
+        if rounds and left < (MIN_WALL_SECONDS if clock is None else 0.0):
+            break
+        rounds += 1
+        if best is not None:
+            hint_complete(model, graph, v, best)
+        solver = cp_model.CpSolver()
+        configure(solver, wall_seconds=left, deterministic_seconds=left if clock is None else clock,
+                  workers=workers, seed=seed)
+        watcher = _Watcher(graph, v, budget_bytes, best_cost)
+        log.log(logging.INFO if announce else logging.DEBUG,
+                "ilp: %d worker(s), round %d, %d of %d backward and recompute rows in the model, up to %.0f s; "
+                "Ctrl-C stops early and keeps the best plan", workers, rounds, deferred - len(v.deferred), deferred,
+                solver.parameters.max_time_in_seconds)
+        try:
+            code = solve_keeping_sigint(solver, model, watcher)
+        except KeyboardInterrupt:  # pressed just before CP-SAT took over SIGINT
+            break
+        model.ClearHints()
+        if clock is not None:
+            clock -= solver.ResponseProto().deterministic_time
+        if watcher.best is not None:
+            best, best_cost = watcher.best, watcher.best_cost
+        if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            bound = max(bound, solver.BestObjectiveBound())
+        if code == cp_model.INFEASIBLE:
+            if best is None:
+                status = "INFEASIBLE"
+            else:  # a plan that fits breaks no row: the model and the simulator disagree (a bug)
+                log.warning("ilp: the model rejects every plan, even one the simulator accepts")
+            break
+        if best is not None and bound >= best_cost * COST_SCALE - slack:
+            status = "OPTIMAL"
+            break
+        if not watcher.violated:  # out of time, or a plan the simulator rejects on rows already in
+            break
+        add_events(model, v, sorted(watcher.violated))
+    if status == "UNKNOWN" and best is not None:
+        status = "FEASIBLE"
+    cost = best_cost * COST_SCALE
+    proto = model.Proto()
+    return LazyResult(
+        status=status, regions=best, cost=cost, bound=min(bound, cost), rounds=rounds, rows=deferred - len(v.deferred),
+        deferred=deferred, variables=len(proto.variables), constraints=len(proto.constraints),
+        seconds=time.perf_counter() - started,
+    )
