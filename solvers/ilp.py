@@ -56,8 +56,9 @@ FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by blo
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
 HIERARCHICAL_SHARE = 0.25  # of the time limit, on smaller graphs: the block-by-block warm start
 # The proof phase (``ilp_lazy`` with ``PROOF_WORKERS``) runs on the time the reproducible search leaves,
-# if at least this much: CP-SAT's portfolio of 8 workers needs seconds to start raising its bound.
-MIN_PROOF_SECONDS = 5.0
+# if at least this much: CP-SAT's portfolio of 8 workers needs seconds to start raising its bound
+# (and short solves, as in tests and block policies, end without one).
+MIN_PROOF_SECONDS = 10.0
 
 
 
@@ -343,7 +344,8 @@ def solve_flat(
     ``window`` bounds the nodes per region (see ``build_model``). ``warm``: plans to start from
     (default: those of ``WARM_SOLVERS``), returned instead when cheaper. ``lazy=False``: the
     reproducible search states every memory row up front (``solvers.blocks`` on small blocks
-    and short clocks, where restarting after each broken row costs more than it saves).
+    and short clocks, where restarting after each broken row costs more than it saves); so does
+    it when no warm plan is one-level and fits.
     """
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
@@ -361,7 +363,9 @@ def solve_flat(
     found = search_lazily(
         graph, budget_bytes, start, seconds=max(0.1, end - time.perf_counter()) * GLOBAL_SHARE, workers=workers,
         deterministic_seconds=clock * GLOBAL_SHARE, seed=seed, window=window, announce=announce,
-        deferred_phases=DEFERRED_PHASES if lazy else frozenset(),
+        # Without a plan to start from, the whole model: its presolve proves an infeasible budget
+        # at once, where the relaxation must first gain rows (ViT at 70% with 2 s: no answer).
+        deferred_phases=DEFERRED_PHASES if lazy and start is not None else frozenset(),
     )
     status, regions, bound = found.status, found.regions, found.bound
     if regions is not None and regions != start:
