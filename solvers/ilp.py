@@ -388,10 +388,10 @@ def solve_flat(
             status = "OPTIMAL"
         bound = max(bound, proof.bound)
         proof_note = f"; proof phase: {proof.describe()}"
-    size = (f"{len(graph.nodes)} nodes, {found.variables} variables, {found.constraints} constraints; "
-            f"search: {found.describe()}")
+    size = f"{len(graph.nodes)} nodes, {found.variables} variables, {found.constraints} constraints"
     if region_window(graph, window) < len(graph.nodes):
         size += f", regions of at most {region_window(graph, window)} nodes"
+    size += f"; search: {found.describe()}"
     if regions is None:
         if status == "INFEASIBLE":
             least, proven = least_peak(graph, time_limit=end - time.perf_counter(), deterministic_seconds=clock,
