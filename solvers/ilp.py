@@ -51,7 +51,7 @@ WARM_SOLVERS = ("dp", "sqrt")
 DETERMINISTIC_SECONDS_PER_SECOND = 0.3
 LNS_WINDOW = 24  # nodes whose decisions one local-search step frees
 LNS_DETERMINISTIC_SECONDS = 1.0  # deterministic-time limit of one local-search step
-GLOBAL_SHARE = 0.5  # of the time left after warm starts: the whole-model search; the rest is local
+GLOBAL_SHARE = 0.5  # of the time left after warm starts: the lazy search; the rest is local
 FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
 HIERARCHICAL_SHARE = 0.25  # of the time limit, on smaller graphs: the block-by-block warm start
@@ -59,7 +59,6 @@ HIERARCHICAL_SHARE = 0.25  # of the time limit, on smaller graphs: the block-by-
 # if at least this much: CP-SAT's portfolio of 8 workers needs seconds to start raising its bound
 # (and short solves, as in tests and block policies, end without one).
 MIN_PROOF_SECONDS = 10.0
-
 
 
 def simplify(graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int) -> tuple[Region, ...]:

@@ -18,7 +18,7 @@ depend only on the plans, which one worker finds in a fixed order) the search is
 with ``PROOF_WORKERS``, CP-SAT's portfolio, whose LP- and core-based workers raise the lower
 bound, it is the proof phase. Measured with ``benchmarks/ilp_speed.py --proof-only`` (8 workers,
 2 cores, from the block-by-block plan): the U-Net, ResNet, GPT example and a two-layer GPT-2, at
-70% and 50% of their peaks, proven optimal in 5-41 s each; on the whole model the GPT example
+70% and 50% of their peaks, proven optimal in 6-40 s each; on the whole model the GPT example
 never got a bound above zero in 60 s.
 """
 

@@ -91,7 +91,9 @@ class IlpVars:
 
 
 class _Builder:
-    def __init__(self, graph: ComputeGraph, budget_bytes: int | None, window: int) -> None:
+    def __init__(
+        self, graph: ComputeGraph, budget_bytes: int | None, window: int, deferred_phases: frozenset[str] = frozenset()
+    ) -> None:
         self.g = graph
         self.n = n = len(graph.nodes)
         self.W = window
@@ -118,7 +120,7 @@ class _Builder:
         self.peak = self.m.NewIntVar(0, max(0, upper), "peak")
         self._same: dict[tuple[int, int], cp_model.IntVar] = {}
         self.alive_needs: dict[int, list[tuple[int, list]]] = defaultdict(list)
-        self.deferred_phases: frozenset[str] = frozenset()
+        self.deferred_phases = deferred_phases
         self.deferred: dict[tuple[str, int], tuple[cp_model.LinearExprT, list]] = {}
 
     def _upper_bytes(self) -> int:
@@ -608,8 +610,7 @@ def build_model(
     (``(phase, node)``, as ``simulation.Event`` names them), for ``add_events``: without them the
     model is a relaxation (``solvers.ilp_lazy`` adds the rows plans violate).
     """
-    b = _Builder(graph, budget_bytes, region_window(graph, window))
-    b.deferred_phases = deferred_phases
+    b = _Builder(graph, budget_bytes, region_window(graph, window), deferred_phases)
     b.decisions()
     b.structure()
     b.retention()
