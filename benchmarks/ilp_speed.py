@@ -8,8 +8,7 @@ limit (model building included) and starts from the ``dp``/``sqrt`` plans and th
 plan, which is also shown alone; "gap" is CP-SAT's proven relative gap (1.0: no lower bound
 better than zero was proven), "proof phase" what the proof phase (``solvers.ilp_lazy`` with 8
 workers) needed of the memory rows it leaves out (absent when the reproducible search proved the
-plan itself). Prints a Markdown
-table.
+plan itself). Prints a Markdown table.
 
 ``--proof-only``: the proof phase alone (``search_lazily`` with 8 workers) from the block-by-block plan
 (or ``sqrt``'s, where the blocks find none), given the whole time limit: how long a proof takes

@@ -60,7 +60,6 @@ def fix_plan(
                 model.Add(var == value)
 
 
-
 def hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...]) -> None:
     """Hint every variable, not just the decisions: a copy of the model with the plan fixed
     is solved for the values of the derived variables (CP-SAT repairs partial hints slowly)."""
