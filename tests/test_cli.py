@@ -382,8 +382,10 @@ def test_ctrl_c_during_the_ilp_search_returns_the_best_plan_so_far() -> None:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in process.stderr:  # progress is logged to stderr; wait until CP-SAT is searching
-            if "searching" in line:
+            if "Ctrl-C stops early" in line:
                 break
+        else:
+            pytest.fail("the solve ended without announcing its search")
         process.send_signal(signal.SIGINT)
         stdout, stderr = process.communicate(timeout=120)
     finally:
