@@ -48,6 +48,7 @@ from ckptplan.plan import Region, SolverInfo
 from ckptplan.repeats import Block, find_blocks
 from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.ilp_model import keepable
+from ckptplan.solvers.refine import keep_priority
 from ckptplan.solvers.sqrt import least_peak_regions
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ def ranked_keep_policies(graph: ComputeGraph, block: Block) -> list[tuple[Region
     make, and a frame for the ilp's finer plans."""
     ranked = sorted(
         (i for i in range(block.start, block.end) if keepable(graph, i)),
-        key=lambda i: (-graph.nodes[i].fwd_cost / max(1, graph.new_bytes(i)), i),
+        key=lambda i: (-keep_priority(graph, i), i),
     )
     length = block.end - block.start
     keep_sets = [ranked[: len(ranked) * k // KEEP_STEPS] for k in range(KEEP_STEPS + 1)]

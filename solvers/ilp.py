@@ -38,6 +38,7 @@ from ckptplan.solvers.cpsat import (
 )
 from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, PROOF_WORKERS, search_lazily
 from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, build_model, region_window
+from ckptplan.solvers.refine import add_keeps, shed_keeps, simplify
 from ckptplan.solvers.registry import get_solver, register
 from ckptplan.solvers.sqrt import least_peak_regions
 from ckptplan.units import describe_bytes
@@ -52,6 +53,10 @@ DETERMINISTIC_SECONDS_PER_SECOND = 0.3
 LNS_WINDOW = 24  # nodes whose decisions one local-search step frees
 LNS_DETERMINISTIC_SECONDS = 1.0  # deterministic-time limit of one local-search step
 GLOBAL_SHARE = 0.5  # of the time left after warm starts: the lazy search; the rest is local
+# Of the time limit, at most (but REFINE_MIN_SECONDS at least): more keeps on the warm plans
+# (``refine``; 0.01-0.2 s each on the examples' graphs of 52-160 nodes).
+REFINE_SHARE = 0.1
+REFINE_MIN_SECONDS = 0.2
 FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
 HIERARCHICAL_SHARE = 0.25  # of the time limit, on smaller graphs: the block-by-block warm start
@@ -59,37 +64,6 @@ HIERARCHICAL_SHARE = 0.25  # of the time limit, on smaller graphs: the block-by-
 # if at least this much: CP-SAT's portfolio of 8 workers needs seconds to start raising its bound
 # (and short solves, as in tests and block policies, end without one).
 MIN_PROOF_SECONDS = 10.0
-
-
-def simplify(graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int) -> tuple[Region, ...]:
-    """Drop regions and keeps that buy nothing: each is removed, in execution order, when the plan
-    without it still fits ``budget_bytes`` and recomputes no more. A stopped search leaves such
-    no-ops behind (a one-node region keeping its node, a region around free ops), and every
-    region is a ``checkpoint`` call at run time."""
-    best = simulate(graph, regions)
-
-    def no_worse(candidate: tuple[Region, ...]) -> bool:
-        nonlocal best
-        report = simulate(graph, candidate)
-        if report.peak_bytes <= budget_bytes and report.cost_seconds <= best.cost_seconds:
-            best = report
-            return True
-        return False
-
-    current = list(regions)
-    index = 0
-    while index < len(current):
-        candidate = current[:index] + current[index + 1:]
-        if no_worse(tuple(candidate)):
-            current = candidate
-            continue
-        region = current[index]
-        for name in region.keep:
-            trimmed = Region(region.start, region.end, keep=tuple(k for k in region.keep if k != name))
-            if no_worse(tuple(current[:index] + [trimmed] + current[index + 1:])):
-                region = current[index] = trimmed
-        index += 1
-    return tuple(current)
 
 
 def improve_locally(
@@ -356,8 +330,7 @@ def solve_flat(
                        note="the budget holds the step without checkpointing"),
         )
     warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit)
-    one_level = [p for p in warm if all(not r.children for r in p.regions)]
-    start = min(one_level, key=lambda p: p.prediction.cost_seconds).regions if one_level else None
+    start = starting_plan(graph, warm, budget_bytes, deadline=started + max(REFINE_MIN_SECONDS, limit * REFINE_SHARE))
     clock = limit * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not the time left: reproducible
     found = search_lazily(
         graph, budget_bytes, start, seconds=max(0.1, end - time.perf_counter()) * GLOBAL_SHARE, workers=workers,
@@ -431,6 +404,22 @@ def solve_flat(
     return plan.model_copy(update={"solver": SolverInfo(
         name="ilp", status="optimal" if status == "OPTIMAL" else "feasible", seconds=time.perf_counter() - started,
         gap=gap, note=note)})
+
+
+def starting_plan(
+    graph: ComputeGraph, warm: Sequence[Plan], budget_bytes: int, *, deadline: float | None = None
+) -> tuple[Region, ...] | None:
+    """Where the search starts: the cheapest one-level plan made from the regions of a one-level
+    ``warm`` plan by ``refine.add_keeps``, either on its keep-sets or on ``refine.shed_keeps``'s
+    (moves made until ``deadline``); None when no warm plan is one-level."""
+    refined = []
+    for regions in dict.fromkeys(p.regions for p in warm if all(not r.children for r in p.regions)):
+        refined.append(add_keeps(graph, regions, budget_bytes, deadline=deadline))
+        selective = shed_keeps(graph, regions, budget_bytes, deadline=deadline)
+        if selective is not None:
+            refined.append(add_keeps(graph, selective, budget_bytes, deadline=deadline))
+    best = min(refined, key=lambda regions: simulate(graph, regions).cost_seconds, default=None)
+    return None if best is None else simplify(graph, best, budget_bytes)
 
 
 def _origin(plan: Plan) -> str:

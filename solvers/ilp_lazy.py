@@ -151,13 +151,14 @@ def search_lazily(
         configure(solver, wall_seconds=left, deterministic_seconds=left if clock is None else clock,
                   workers=workers, seed=seed)
         watcher = _Watcher(graph, v, budget_bytes, best_cost)
-        log.log(logging.INFO if announce else logging.DEBUG,
-                "ilp: %d worker(s), round %d, %d of %d backward and recompute rows in the model, up to %.0f s; "
-                "Ctrl-C stops early and keeps the best plan", workers, rounds, deferred - len(v.deferred), deferred,
-                solver.parameters.max_time_in_seconds)
         try:
+            log.log(logging.INFO if announce else logging.DEBUG,
+                    "ilp: %d worker(s), round %d, %d of %d backward and recompute rows in the model, up to %.0f s; "
+                    "Ctrl-C stops early and keeps the best plan", workers, rounds, deferred - len(v.deferred),
+                    deferred, solver.parameters.max_time_in_seconds)
             code = solve_keeping_sigint(solver, model, watcher)
-        except KeyboardInterrupt:  # pressed just before CP-SAT took over SIGINT
+        except KeyboardInterrupt:  # pressed as this was announced, before CP-SAT took over SIGINT
+            stopped.set()
             break
         model.ClearHints()
         if clock is not None:
