@@ -5,11 +5,11 @@ and the recompute overhead of each plan, on the examples and a ``transformers`` 
 
 Each graph is solved at 70% and 50% of its no-checkpoint peak. ``ilp`` runs with the given time
 limit (model building included) and starts from the ``dp``/``sqrt`` plans and the block-by-block
-plan, which is also shown alone; "start" is the plan the search starts from (the cheapest of
-those with keeps added by ``solvers.refine``); "gap" is CP-SAT's proven relative gap (1.0: no lower bound
-better than zero was proven), "proof phase" what the proof phase (``solvers.ilp_lazy`` with 8
-workers) needed of the memory rows it leaves out (absent when the reproducible search proved the
-plan itself). Prints a Markdown table.
+plan, which is also shown alone (given the whole limit; ``ilp`` gives it a quarter); "start" is
+the plan the search starts from (the cheapest of those, refined by ``solvers.refine``); "gap" is
+CP-SAT's proven relative gap (1.0: no lower bound better than zero was proven), "proof phase"
+what the proof phase (``solvers.ilp_lazy`` with 8 workers) needed of the memory rows it leaves
+out (absent when the reproducible search proved the plan itself). Prints a Markdown table.
 
 ``--proof-only``: the proof phase alone (``search_lazily`` with 8 workers) from the block-by-block plan
 (or ``sqrt``'s, where the blocks find none), given the whole time limit: how long a proof takes
@@ -28,7 +28,14 @@ import torch
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
-from ckptplan.solvers.ilp import build_model, solve_hierarchical, solve_ilp, starting_plan, warm_plans
+from ckptplan.solvers.ilp import (
+    HIERARCHICAL_SHARE,
+    build_model,
+    solve_hierarchical,
+    solve_ilp,
+    starting_plan,
+    warm_plans,
+)
 from ckptplan.solvers.ilp_lazy import PROOF_WORKERS, search_lazily
 from ckptplan.solvers.ilp_model import COST_SCALE
 
@@ -65,21 +72,26 @@ def overhead(graph: ckptplan.ComputeGraph, budget: int, solver: str) -> str:
         return "infeasible"
 
 
-def by_blocks(graph: ckptplan.ComputeGraph, budget: int, time_limit: float) -> tuple[ckptplan.Plan | None, str, float]:
-    """The block-by-block plan alone (what ``ilp`` does on graphs above 400 nodes), its overhead
-    and its time."""
+def by_blocks(graph: ckptplan.ComputeGraph, budget: int, time_limit: float) -> tuple[str, float]:
+    """The block-by-block plan alone (what ``ilp`` does on graphs above 400 nodes), and its time."""
     started = time.perf_counter()
     try:
         plan = solve_hierarchical(graph, budget, time_limit=time_limit, warm=())
     except InfeasibleBudgetError:
-        return None, "infeasible", time.perf_counter() - started
-    return plan, ("no blocks" if plan is None else f"{plan.prediction.overhead:.3f}"), time.perf_counter() - started
+        return "infeasible", time.perf_counter() - started
+    return ("no blocks" if plan is None else f"{plan.prediction.overhead:.3f}"), time.perf_counter() - started
 
 
-def start_overhead(graph: ckptplan.ComputeGraph, budget: int, warm: list[ckptplan.Plan]) -> str:
-    """The overhead of the plan the ilp's search starts from (``starting_plan``: the warm plans
-    with keeps added by ``solvers.refine``)."""
-    regions = starting_plan(graph, warm, budget)
+def start_overhead(graph: ckptplan.ComputeGraph, budget: int, time_limit: float) -> str:
+    """The overhead of the plan the ilp's search starts from (``starting_plan``: the ``dp``,
+    ``sqrt`` and block-by-block plans, the last with the share of the limit ``solve_ilp`` gives
+    it, refined by ``solvers.refine``)."""
+    warm = warm_plans(graph, budget, time_limit)
+    try:
+        block_plan = solve_hierarchical(graph, budget, time_limit=time_limit * HIERARCHICAL_SHARE, warm=())
+    except InfeasibleBudgetError:
+        block_plan = None
+    regions = starting_plan(graph, warm + ([block_plan] if block_plan is not None else []), budget)
     if regions is None:
         return "-"
     return f"{ckptplan.simulate(graph, ckptplan.make_plan(graph, regions)).cost_seconds / graph.step_cost:.3f}"
@@ -130,9 +142,8 @@ def main() -> None:
         build_seconds = time.perf_counter() - started
         for fraction in FRACTIONS:
             budget = int(fraction * graph.baseline_peak_bytes)
-            block_plan, blocks, block_seconds = by_blocks(graph, budget, options.time_limit)
-            warm = warm_plans(graph, budget, options.time_limit) + ([block_plan] if block_plan is not None else [])
-            start = start_overhead(graph, budget, warm)
+            blocks, block_seconds = by_blocks(graph, budget, options.time_limit)
+            start = start_overhead(graph, budget, options.time_limit)
             started = time.perf_counter()
             try:
                 plan = solve_ilp(graph, budget, time_limit=options.time_limit, workers=options.workers)

@@ -7,9 +7,9 @@ from a relaxation without most memory rows and adding those that plans break; ``
 deterministic clock: half of it lazily, the rest in ``improve_locally``, a large-neighbourhood
 search over windows of nodes on the whole model) leaves its time to the proof phase, the lazy
 search again with CP-SAT's parallel portfolio, which proves the plan optimal or finds a cheaper
-one. The ``sqrt`` and ``dp`` plans warm-start the search (as hints when they are one-level) and
-stay candidates: a time-limited solve never returns anything worse than them. Every plan is
-simulated before it is taken.
+one. The ``sqrt`` and ``dp`` plans warm-start the search (as hints when they are one-level,
+after ``solvers.refine`` has added or shed keeps on them) and stay candidates: a time-limited
+solve never returns anything worse than them. Every plan is simulated before it is taken.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ HIERARCHICAL_SHARE = 0.25  # of the time limit, on smaller graphs: the block-by-
 # if at least this much: CP-SAT's portfolio of 8 workers needs seconds to start raising its bound
 # (and short solves, as in tests and block policies, end without one).
 MIN_PROOF_SECONDS = 10.0
+PROOF_SHARE = 0.3  # of the time limit, kept for the proof phase when that is MIN_PROOF_SECONDS or more
 
 
 def improve_locally(
@@ -331,9 +332,13 @@ def solve_flat(
         )
     warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit)
     start = starting_plan(graph, warm, budget_bytes, deadline=started + max(REFINE_MIN_SECONDS, limit * REFINE_SHARE))
-    clock = limit * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not the time left: reproducible
+    # Time kept for the proof phase, whose portfolio finds and proves optima the one worker does
+    # not (ilp_speed at 60 s: without the reserve the search left GPT at 50% 9 s, no proof).
+    reserve = PROOF_SHARE * limit if PROOF_SHARE * limit >= MIN_PROOF_SECONDS else 0.0
+    search_end = end - reserve
+    clock = (limit - reserve) * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not left: reproducible
     found = search_lazily(
-        graph, budget_bytes, start, seconds=max(0.1, end - time.perf_counter()) * GLOBAL_SHARE, workers=workers,
+        graph, budget_bytes, start, seconds=max(0.1, search_end - time.perf_counter()) * GLOBAL_SHARE, workers=workers,
         deterministic_seconds=clock * GLOBAL_SHARE, seed=seed, window=window, announce=announce,
         # Without a plan to start from, the whole model: its presolve proves an infeasible budget
         # at once, where the relaxation must first gain rows (ViT at 70% with 2 s: no answer).
@@ -346,7 +351,7 @@ def solve_flat(
         model, v = build_model(graph, budget_bytes, window=window)
         model.Minimize(v.cost)
         regions = improve_locally(
-            model, graph, v, regions, budget_bytes, deadline=end,
+            model, graph, v, regions, budget_bytes, deadline=search_end,
             deterministic_seconds=clock * (1 - GLOBAL_SHARE), seed=seed,
         )
     left = (end if deadline is None else deadline) - time.perf_counter()
