@@ -54,9 +54,10 @@ LNS_WINDOW = 24  # nodes whose decisions one local-search step frees
 LNS_DETERMINISTIC_SECONDS = 1.0  # deterministic-time limit of one local-search step
 GLOBAL_SHARE = 0.5  # of the time left after warm starts: the lazy search; the rest is local
 # Of the time limit, at most (but REFINE_MIN_SECONDS at least): more keeps on the warm plans
-# (``refine``; 0.01-0.2 s each on the examples' graphs of 52-160 nodes).
+# (``refine``; 0.01-0.2 s each on the examples' graphs of 52-160 nodes). The floor stays small:
+# block policies run many solves of a fraction of a second each.
 REFINE_SHARE = 0.1
-REFINE_MIN_SECONDS = 0.2
+REFINE_MIN_SECONDS = 0.02
 FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
 HIERARCHICAL_SHARE = 0.25  # of the time limit, on smaller graphs: the block-by-block warm start

@@ -45,7 +45,7 @@ def random_chain(rng: random.Random, n: int):
     return chain_graph(sizes, saves_output=rng.random() < 0.3, param_bytes=rng.choice([8, 64]))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     sizes=st.lists(st.sampled_from([16, 32, 48, 64, 100, 128, 256]), min_size=1, max_size=5),
     saves_output=st.booleans(),
