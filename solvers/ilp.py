@@ -132,7 +132,6 @@ def _sweeps(
                 found[0] = best
 
 
-
 def model_peak(
     graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None, bounding: bool = False
 ) -> int:
