@@ -25,6 +25,11 @@ def keep_priority(graph: ComputeGraph, t: int) -> float:
     return graph.nodes[t].fwd_cost / max(1, graph.new_bytes(t))
 
 
+def _worth_keeping(graph: ComputeGraph, t: int) -> bool:
+    """A node the moves may keep: one that can be kept and costs something to recompute."""
+    return graph.nodes[t].fwd_cost > 0 and keepable(graph, t)
+
+
 def add_keeps(
     graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int, *, deadline: float | None = None
 ) -> tuple[Region, ...]:
@@ -36,7 +41,7 @@ def add_keeps(
     best = simulate(graph, regions)
     candidates = sorted(
         ((region_index, t) for region_index, region in enumerate(current) for t in range(region.start, region.end)
-         if graph.nodes[t].name not in region.keep and graph.nodes[t].fwd_cost > 0 and keepable(graph, t)),
+         if graph.nodes[t].name not in region.keep and _worth_keeping(graph, t)),
         key=lambda item: (-keep_priority(graph, item[1]), item[1]),
     )
     for region_index, t in candidates:
@@ -60,7 +65,7 @@ def shed_keeps(
     fits (or ``deadline`` passes first). ``add_keeps`` afterwards takes back what fits again."""
     current = [
         Region(r.start, r.end, keep=tuple(
-            graph.nodes[t].name for t in range(r.start, r.end) if graph.nodes[t].fwd_cost > 0 and keepable(graph, t)))
+            graph.nodes[t].name for t in range(r.start, r.end) if _worth_keeping(graph, t)))
         for r in regions
     ]
     shed = sorted(
