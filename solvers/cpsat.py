@@ -3,7 +3,6 @@ the best plan", and move plans in and out of the model (fix, hint, extract)."""
 
 from __future__ import annotations
 
-import signal
 import threading
 
 from ortools.sat.python import cp_model
@@ -69,7 +68,7 @@ def hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regi
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.max_time_in_seconds = 10.0
-    if solve_keeping_sigint(solver, fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if solve_interruptibly(solver, fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         fix_plan(model, graph, v, regions, free=range(len(graph.nodes)))
         return
     for index in range(len(model.Proto().variables)):
@@ -81,51 +80,49 @@ def hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regi
 # search of that call is skipped, so the best plan so far comes back at once.
 stopped = threading.Event()
 
-
-class StoppingCallback(cp_model.CpSolverSolutionCallback):
-    """A solution callback that may end the search itself (``stop``), which ``interrupted``
-    must not take for a Ctrl-C."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stopped_search = False
-
-    def stop(self) -> None:
-        self.stopped_search = True
-        self.StopSearch()
+STOP_POLL_SECONDS = 0.05  # how often the main thread checks for Ctrl-C, and re-asks CP-SAT to stop
 
 
-def solve_keeping_sigint(
-    solver: cp_model.CpSolver, model: cp_model.CpModel, callback: StoppingCallback | None = None
+def solve_interruptibly(
+    solver: cp_model.CpSolver, model: cp_model.CpModel, callback: cp_model.CpSolverSolutionCallback | None = None
 ) -> int:
-    """``solver.Solve(model, callback)``, leaving Ctrl-C as it found it, or nothing once Ctrl-C
-    was pressed (``stopped``). CP-SAT turns a SIGINT during the search into an early return, but
-    afterwards leaves the signal's default action (end the process at once) where Python's
-    handler was, so a later Ctrl-C would lose the plan."""
+    """``solver.Solve(model, callback)``, ended early by Ctrl-C (which sets ``stopped``), or
+    nothing once Ctrl-C was pressed.
+
+    CP-SAT's own SIGINT handler is off (``catch_sigint_signal``): it is installed only once the
+    solver has loaded the model, and a Ctrl-C before that waited in Python until the whole
+    search had run its limit. Instead the search runs in a thread while the main thread, where
+    Python raises ``KeyboardInterrupt``, waits for it and then asks CP-SAT to stop until it does.
+    """
     if stopped.is_set():
         return cp_model.UNKNOWN
-    handler = signal.getsignal(signal.SIGINT)
+    solver.parameters.catch_sigint_signal = False
+    if threading.current_thread() is not threading.main_thread():  # Ctrl-C never lands here
+        return solver.Solve(model, callback)
+    outcome: dict[str, object] = {}
+    finished = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["code"] = solver.Solve(model, callback)
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller's thread below)
+            outcome["error"] = exc
+        finally:
+            finished.set()
+
     try:
-        code = solver.Solve(model, callback)
+        threading.Thread(target=run, name="cp-sat", daemon=True).start()
+        # Event.wait, not Thread.join: an interrupted join can leave the thread looking finished.
+        while not finished.wait(STOP_POLL_SECONDS):
+            pass
     except KeyboardInterrupt:
         stopped.set()
-        raise
-    finally:
-        if handler is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, handler)
-    if not (callback is not None and callback.stopped_search) and interrupted(solver):
-        stopped.set()
-    return code
-
-
-def interrupted(solver: cp_model.CpSolver) -> bool:
-    """The search stopped before proving anything and before either clock ran out: CP-SAT caught
-    a SIGINT (Ctrl-C), which it turns into an early return."""
-    params = solver.parameters
-    response = solver.ResponseProto()
-    wall_left = solver.WallTime() < 0.95 * params.max_time_in_seconds
-    clock_left = response.deterministic_time < 0.95 * params.max_deterministic_time
-    return response.status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and wall_left and clock_left
+        solver.StopSearch()
+        while not finished.wait(STOP_POLL_SECONDS):
+            solver.StopSearch()  # asked before the search began, a stop may go unseen
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome.get("code", cp_model.UNKNOWN)  # type: ignore[return-value]
 
 
 def configure(

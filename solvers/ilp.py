@@ -32,8 +32,7 @@ from ckptplan.solvers.cpsat import (
     extract_regions,
     fix_plan,
     hint_complete,
-    interrupted,
-    solve_keeping_sigint,
+    solve_interruptibly,
     stopped,
 )
 from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, PROOF_WORKERS, search_lazily
@@ -87,7 +86,7 @@ def improve_locally(
     found = [regions]  # the incumbent, kept current so that Ctrl-C loses nothing
     try:
         _sweeps(model, graph, v, found, budget_bytes, deadline=deadline, clock=deterministic_seconds, seed=seed)
-    except KeyboardInterrupt:  # Ctrl-C between two small solves (CP-SAT catches it during one)
+    except KeyboardInterrupt:  # Ctrl-C between two small solves (solve_interruptibly takes it during one)
         stopped.set()
     return simplify(graph, found[0], budget_bytes)
 
@@ -119,9 +118,9 @@ def _sweeps(
             solver.parameters.random_seed = seed
             solver.parameters.max_deterministic_time = min(LNS_DETERMINISTIC_SECONDS, clock)
             solver.parameters.max_time_in_seconds = max(MIN_WALL_SECONDS, deadline - time.perf_counter())
-            code = solve_keeping_sigint(solver, sub)
+            code = solve_interruptibly(solver, sub)
             clock -= solver.ResponseProto().deterministic_time
-            if interrupted(solver):
+            if stopped.is_set():
                 return
             if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 continue
@@ -164,7 +163,10 @@ def _fixed_optimum(
     model.Minimize(target)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    code = solve_keeping_sigint(solver, model)
+    stopped.clear()
+    code = solve_interruptibly(solver, model)
+    if stopped.is_set():
+        raise KeyboardInterrupt
     if code != cp_model.OPTIMAL:
         raise CkptPlanError(f"the ilp model has no value for this plan ({solver.StatusName(code)})")
     return int(solver.Value(target))
@@ -188,7 +190,7 @@ def least_peak(
     hint_complete(model, graph, v, start)
     solver = cp_model.CpSolver()
     configure(solver, wall_seconds=time_limit, deterministic_seconds=deterministic_seconds, workers=workers, seed=seed)
-    code = solve_keeping_sigint(solver, model)
+    code = solve_interruptibly(solver, model)
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return min(int(solver.Value(v.peak)), start_peak), code == cp_model.OPTIMAL
     return start_peak, False

@@ -36,11 +36,10 @@ from ckptplan.plan import Region
 from ckptplan.simulation import simulate
 from ckptplan.solvers.cpsat import (
     MIN_WALL_SECONDS,
-    StoppingCallback,
     configure,
     extract_regions,
     hint_complete,
-    solve_keeping_sigint,
+    solve_interruptibly,
     stopped,
 )
 from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, add_events, build_model
@@ -79,7 +78,7 @@ class LazyResult:
         return f"{self.rows} of {self.deferred} backward and recompute memory rows needed, {self.rounds} round(s)"
 
 
-class _Watcher(StoppingCallback):
+class _Watcher(cp_model.CpSolverSolutionCallback):
     """Simulates each plan the search reports: keeps the cheapest that fits the budget, and
     stops the search at the first that does not and breaks rows the model still lacks
     (``violated``: those events)."""
@@ -98,7 +97,7 @@ class _Watcher(StoppingCallback):
         missing = over & self.v.deferred.keys()
         if missing:
             self.violated |= missing
-            self.stop()
+            self.StopSearch()
         elif not over and report.cost_seconds < self.best_cost:
             self.best, self.best_cost = regions, report.cost_seconds
 
@@ -156,8 +155,8 @@ def search_lazily(
                     "ilp: %d worker(s), round %d, %d of %d backward and recompute rows in the model, up to %.0f s; "
                     "Ctrl-C stops early and keeps the best plan", workers, rounds, deferred - len(v.deferred),
                     deferred, solver.parameters.max_time_in_seconds)
-            code = solve_keeping_sigint(solver, model, watcher)
-        except KeyboardInterrupt:  # pressed as this was announced, before CP-SAT took over SIGINT
+            code = solve_interruptibly(solver, model, watcher)
+        except KeyboardInterrupt:  # pressed as this was announced, before the search began
             stopped.set()
             break
         model.ClearHints()

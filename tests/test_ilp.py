@@ -3,7 +3,11 @@ against exhaustive search over one-level plans with keep-sets, and its plans run
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -16,7 +20,7 @@ import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.simulation import simulate
-from ckptplan.solvers.cpsat import fix_plan
+from ckptplan.solvers.cpsat import fix_plan, solve_interruptibly, stopped
 from ckptplan.solvers.dp import solve_dp
 from ckptplan.solvers.ilp import build_model, least_peak, model_cost, model_peak, solve_ilp
 from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, PROOF_WORKERS, search_lazily
@@ -211,6 +215,64 @@ def test_warm_start_is_never_beaten_by_a_stopped_search() -> None:
     assert plan.solver.name == "ilp"
     assert plan.prediction.cost_seconds <= sqrt_plan.prediction.cost_seconds
     assert plan.prediction.peak_bytes <= budget
+
+
+def _slow_to_prove(n: int = 30) -> cp_model.CpModel:
+    """n queens with a weighted objective: CP-SAT finds a placement in well under a second and
+    cannot prove the least one in minutes."""
+    model = cp_model.CpModel()
+    xs = [model.NewIntVar(0, n - 1, f"x{i}") for i in range(n)]
+    model.AddAllDifferent(xs)
+    model.AddAllDifferent([xs[i] + i for i in range(n)])
+    model.AddAllDifferent([xs[i] - i for i in range(n)])
+    model.Minimize(sum((i % 7) * xs[i] for i in range(n)))
+    return model
+
+
+class _SignalOnFirstSolution(cp_model.CpSolverSolutionCallback):
+    """Sends this process a SIGINT, as Ctrl-C does, once the search has found a solution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent_at: float | None = None
+
+    def on_solution_callback(self) -> None:
+        if self.sent_at is None:
+            self.sent_at = time.perf_counter()
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_ends_a_cp_sat_search_at_once_and_skips_later_ones() -> None:
+    """Python's handler takes the SIGINT (whichever thread the kernel gives it to) and the
+    search stops; CP-SAT's own handler, which is thread-local to the solving thread, is off."""
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = 60.0
+    solver.parameters.num_workers = 1
+    callback = _SignalOnFirstSolution()
+    handler = signal.getsignal(signal.SIGINT)
+    stopped.clear()
+    try:
+        code = solve_interruptibly(solver, _slow_to_prove(), callback)
+        ended_at = time.perf_counter()
+        assert callback.sent_at is not None and ended_at - callback.sent_at < 5.0
+        assert code == cp_model.FEASIBLE and stopped.is_set()
+        assert signal.getsignal(signal.SIGINT) is handler
+        assert solve_interruptibly(cp_model.CpSolver(), _slow_to_prove()) == cp_model.UNKNOWN  # skipped
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the search")
+    finally:
+        stopped.clear()
+
+
+def test_a_search_outside_the_main_thread_runs_in_place() -> None:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = 1.0
+    solver.parameters.num_workers = 1
+    codes: list[int] = []
+    worker = threading.Thread(target=lambda: codes.append(solve_interruptibly(solver, _slow_to_prove(8))))
+    worker.start()
+    worker.join()
+    assert codes == [cp_model.OPTIMAL]
 
 
 def test_ilp_plans_are_deterministic() -> None:
