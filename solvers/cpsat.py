@@ -89,10 +89,12 @@ def solve_interruptibly(
     """``solver.Solve(model, callback)``, ended early by Ctrl-C (which sets ``stopped``), or
     nothing once Ctrl-C was pressed.
 
-    CP-SAT's own SIGINT handler is off (``catch_sigint_signal``): it is installed only once the
-    solver has loaded the model, and a Ctrl-C before that waited in Python until the whole
-    search had run its limit. Instead the search runs in a thread while the main thread, where
-    Python raises ``KeyboardInterrupt``, waits for it and then asks CP-SAT to stop until it does.
+    CP-SAT's own SIGINT handler is off (``catch_sigint_signal``): it keeps its callback in a
+    thread-local, so it works only when the kernel hands the signal to the solving thread; it
+    replaces the process's disposition during the solve, even an inherited "ignore"; and it
+    leaves SIGINT at the default action (end the process) when the solve ends, where Python's
+    handler was. Instead the search runs in a thread while the main thread, where Python raises
+    ``KeyboardInterrupt``, waits for it and then asks CP-SAT to stop until it does.
     """
     if stopped.is_set():
         return cp_model.UNKNOWN

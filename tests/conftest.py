@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -14,6 +15,11 @@ import torch
 from ckptplan.profiler.loss import training_loss
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under ``pytest -n N`` the workers share the machine's cores: one intra-op thread each, so
+    # that N workers do not run 2N threads on N cores.
+    torch.set_num_threads(1)
 
 
 def load_example(name: str) -> ModuleType:

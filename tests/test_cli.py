@@ -379,7 +379,13 @@ def test_ctrl_c_during_the_ilp_search_returns_the_best_plan_so_far() -> None:
     example = Path(__file__).resolve().parents[1] / "examples" / "unet.py"
     command = [sys.executable, "-m", "ckptplan.cli", "-v", "solve", str(example), "--budget", "0.5",
                "--solver", "ilp", "--time-limit", "300", "--json"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as in a terminal: started from a background job (CI), this process would pass it on
+    # ignored, and the search would run on. A handler (unlike "ignore") is not inherited.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     try:
         for line in process.stderr:  # progress is logged to stderr; wait until CP-SAT is searching
             if "Ctrl-C stops early" in line:
@@ -394,7 +400,7 @@ def test_ctrl_c_during_the_ilp_search_returns_the_best_plan_so_far() -> None:
     plan = json.loads(stdout)
     # Stopped before CP-SAT found anything better, it returns the warm-start plan as "timeout".
     assert plan["solver"]["name"] == "ilp" and plan["solver"]["status"] in ("feasible", "optimal", "timeout")
-    assert plan["solver"]["seconds"] < 300
+    assert plan["solver"]["seconds"] < 60, "the search ran on after Ctrl-C"  # its first round alone may take 78 s
     assert plan["prediction"]["peak_bytes"] <= plan["budget"]["bytes"]
 
 
