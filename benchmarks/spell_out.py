@@ -174,8 +174,9 @@ def print_plans(work: compare.Workload, budget: int, repeats: int) -> None:
 
 def print_costs(work: compare.Workload, repeats: int) -> None:
     graph, rows = region_costs(work, repeats)
-    print(f"\nCharged per region {graph.region_cost * 1e3:.2f} ms, per node under a selective policy "
-          f"{graph.policy_op_cost * 1e3:.3f} ms (twice: forward and recompute); measured per region, "
+    print(f"\nCharged per region {graph.region_cost * 1e3:.2f} ms, per node in it {graph.region_op_cost * 1e3:.3f} ms, "
+          f"per node under a selective policy {graph.policy_op_cost * 1e3:.3f} ms (twice: forward and recompute); "
+          "measured per region, "
           "medians of interleaved steps against the plan without regions:\n")
     print("| regions | count | forward ms | backward ms | predicted recompute ms | charged fixed ms |")
     print("|---|---|---|---|---|---|")

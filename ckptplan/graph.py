@@ -151,8 +151,10 @@ class ComputeGraph:
     loss_scalar_bytes: int = 0
     seed_bytes: int = 0
     # Seconds checkpointing's machinery adds to a step (``profiler.cost.Roofline``): per region,
-    # and per op of a region with a keep-set (once in forward, once in the recompute).
+    # per node of a region (its saved-tensor hooks and the recompute's bookkeeping), and per
+    # node of a region with a keep-set (once in forward, once in the recompute).
     region_cost: float = 0.0
+    region_op_cost: float = 0.0
     policy_op_cost: float = 0.0
     # The dtype name ("bfloat16", "float16") when the step's forward runs under torch.autocast:
     # the graph's bytes are then those of that step, and the fingerprint tells it apart.

@@ -2,9 +2,9 @@
 
 The default cost model is an A100's datasheet, where a convolution is a few times cheaper than
 the batch norm after it; on a CPU it is the other way round (here, one thread: about 100 GFLOP/s
-of fp32 matmul, and 4 GB/s through a batch norm), and checkpointing's own bookkeeping (about
-0.2 ms a region and 0.05 ms per op under a selective policy, measured here) no longer hides
-behind GPU kernels. Plans ranked by the wrong model recompute the wrong ops: profile with
+of fp32 matmul, and 4 GB/s through a batch norm), and checkpointing's own bookkeeping (measured
+here: about 0.2 ms a region, tens of microseconds per op inside one, and 0.05 ms more per op under
+a selective policy) no longer hides behind GPU kernels. Plans ranked by the wrong model recompute the wrong ops: profile with
 ``roofline=measure_roofline()`` when the plan is to run where it is measured.
 """
 
@@ -55,12 +55,13 @@ def measure_roofline(device: str | torch.device = "cpu", *, repeats: int = 15) -
         bandwidth = 3 * x.element_size() * STREAM_ELEMENTS / median_seconds(lambda: x + x)
         one = torch.ones(1, device=device)
         op_seconds = median_seconds(lambda: one + one, inner=200)
-    region_seconds, policy_op_seconds = _checkpoint_costs(device, median_seconds, op_seconds)
+    region_seconds, region_op_seconds, policy_op_seconds = _checkpoint_costs(device, sync, repeats, op_seconds)
     roofline = Roofline(
         peak_flops_per_s=flops_per_s,
         bandwidth_bytes_per_s=bandwidth,
         op_seconds=op_seconds,
         region_seconds=region_seconds,
+        region_op_seconds=region_op_seconds,
         policy_op_seconds=policy_op_seconds,
     )
     log.info("measured on %s: %s", device, roofline)
@@ -68,11 +69,14 @@ def measure_roofline(device: str | torch.device = "cpu", *, repeats: int = 15) -
 
 
 def _checkpoint_costs(
-    device: torch.device, median_seconds: Callable[..., float], op_seconds: float
-) -> tuple[float, float]:
-    """(region_seconds, policy_op_seconds) from training steps of a tiny chain emitted with no
-    regions, one region per node (each recomputing one tiny op), and one region keeping every
-    node (no recompute; every op runs under the policy in forward and in the recompute)."""
+    device: torch.device, sync: Callable[[], object], repeats: int, op_seconds: float
+) -> tuple[float, float, float]:
+    """(region_seconds, region_op_seconds, policy_op_seconds) from training steps of a tiny
+    chain emitted with no regions; one region per node (each recomputing one tiny op: a
+    region's cost and one op's); one region over every node (the region's cost and every op's);
+    and one region keeping every node (nothing recomputed; every op also runs under the policy,
+    in forward and in the recompute). The four are timed in turn, ``repeats`` rounds, so that a
+    change in the machine's speed meanwhile falls on all of them alike."""
     from ckptplan.planner.emit import emit  # planner imports profiler, not the other way
     from ckptplan.profiler import profile
     from ckptplan.profiler.loss import training_loss
@@ -85,21 +89,29 @@ def _checkpoint_costs(
     graph = profile(model, (x,))
     n = len(graph.nodes)
 
-    def step_seconds(regions: list[Region]) -> float:
-        module = emit(graph, regions)
-
-        def step() -> None:
+    singles = [Region(t, t + 1) for t in range(n) if t in graph.boundaries and t + 1 in graph.boundaries]
+    kept = tuple(node.name for node in graph.nodes if keepable(graph, node.index))
+    plans = {"none": [], "singles": singles, "every": [Region(0, n)], "kept": [Region(0, n, keep=kept)]}
+    modules = {name: emit(graph, regions) for name, regions in plans.items()}
+    samples: dict[str, list[float]] = {name: [] for name in plans}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for name, module in modules.items():
+            started = time.perf_counter()
             for p in model.parameters():
                 p.grad = None
             training_loss(module(x)).backward()
+            sync()
+            if round_:
+                samples[name].append(time.perf_counter() - started)
 
-        return median_seconds(step)
+    def extra_seconds(name: str) -> float:
+        """What plan ``name`` adds to a step besides its recomputed ops' own time."""
+        recomputed = len(simulate(graph, plans[name]).recomputed)
+        return statistics.median(samples[name]) - statistics.median(samples["none"]) - recomputed * op_seconds
 
-    plain = step_seconds([])
-    singles = [Region(t, t + 1) for t in range(n) if t in graph.boundaries and t + 1 in graph.boundaries]
-    recomputed = len(simulate(graph, singles).recomputed)
-    per_region = (step_seconds(singles) - plain - recomputed * op_seconds) / len(singles)
-    whole = Region(0, n, keep=tuple(node.name for node in graph.nodes if keepable(graph, node.index)))
-    per_policy_op = (step_seconds([whole]) - plain - max(per_region, 0.0)) / (2 * n)
-    return max(per_region, 0.0), max(per_policy_op, 0.0)
+    one_node = extra_seconds("singles") / len(singles)  # a region and one op
+    per_op = max((extra_seconds("every") - one_node) / (n - 1), 0.0)  # a region and n ops
+    per_region = max(one_node - per_op, 0.0)
+    per_policy_op = (extra_seconds("kept") - per_region - n * per_op) / (2 * n)
+    return per_region, per_op, max(per_policy_op, 0.0)
 

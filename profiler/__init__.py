@@ -114,6 +114,7 @@ def profile(
         loss_scalar_bytes=recording.loss_scalar_bytes,
         seed_bytes=recording.seed_bytes,
         region_cost=roofline.region_seconds,
+        region_op_cost=roofline.region_op_seconds,
         policy_op_cost=roofline.policy_op_seconds,
         inputs=tuple(
             TensorSpec(shape=tuple(x.shape), dtype=str(x.dtype).removeprefix("torch."))

@@ -17,13 +17,15 @@ class Roofline:
     Defaults: NVIDIA A100 80GB SXM datasheet, dense BF16 tensor-core peak 312 TFLOP/s and
     2.039 TB/s HBM2e bandwidth; no fixed costs, since on a GPU the host's dispatch and
     checkpoint bookkeeping run ahead of the kernels and hide behind them on models large
-    enough to need checkpointing. ``ckptplan.measure_roofline()`` measures all five numbers on
+    enough to need checkpointing. ``ckptplan.measure_roofline()`` measures all six numbers on
     the host it runs on, where they do not hide (on this CPU a region cost about 0.2 ms).
 
     ``op_seconds``: fixed cost of running one graph op (dispatch, kernel launch).
     ``region_seconds``: what one checkpoint region adds to a step besides its recompute
-    (checkpoint's frame and saved-tensor hooks, saving and restoring the RNG state, starting
-    the recompute in backward).
+    (checkpoint's frame, saving and restoring the RNG state, starting the recompute in backward).
+    ``region_op_seconds``: what each op inside a region adds besides its own recompute: the
+    saved-tensor hooks (Python) that pack each tensor it saves in forward, pack it again in
+    the recompute and unpack it in backward, and autograd's recording of the recomputed op.
     ``policy_op_seconds``: what each op of a region with a keep-set adds, once in forward and
     once in the recompute: the selective policy sees every op it dispatches.
     """
@@ -32,6 +34,7 @@ class Roofline:
     bandwidth_bytes_per_s: float = 2.039e12
     op_seconds: float = 0.0
     region_seconds: float = 0.0
+    region_op_seconds: float = 0.0
     policy_op_seconds: float = 0.0
 
     def seconds(self, flops: float, bytes_moved: float) -> float:

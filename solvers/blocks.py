@@ -166,7 +166,7 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
     return ComputeGraph(
         name=f"{graph.name}:{block.path}", nodes=tuple(nodes), storages=tuple(storages), static=static,
         outputs=(hi - lo,), loss_nodes=(hi - lo,), trace=graph.trace,
-        region_cost=graph.region_cost, policy_op_cost=graph.policy_op_cost,
+        region_cost=graph.region_cost, region_op_cost=graph.region_op_cost, policy_op_cost=graph.policy_op_cost,
     )
 
 

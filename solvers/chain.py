@@ -26,7 +26,8 @@ Per stage k (nodes ``[starts[k], starts[k+1])``) the chain records, in bytes:
   gradient it receives (input gradient, first parameter gradients, temporaries).
 * ``param_grad_bytes[k]``: parameter gradients first allocated by its backward.
 * ``cost[k]``: seconds to run it forward again (the graph's roofline cost); ``flops[k]``.
-  Each region also costs ``region_cost`` seconds, its machinery's (``graph.region_cost``).
+  Each region also costs its machinery's seconds: ``region_cost``, plus ``region_op_cost`` per
+  node it spans (``graph.region_cost``, ``graph.region_op_cost``; see ``Chain.machinery_cost``).
 * ``skip_fwd_bytes[k]``: skips made in stages ``≤ k``, each once: held during stage k's forward.
 * ``skip_bwd_bytes[k]``: the same skips with their gradients (tensor or recomputed copy, and gradient):
   held during stage k's backward and during the recomputation of any region ending at stage k.
@@ -58,6 +59,7 @@ class Chain:
     resident_bytes: int
     node_count: int
     region_cost: float = 0.0  # seconds each region's machinery adds (``graph.region_cost``)
+    region_op_cost: float = 0.0  # and each node of it (``graph.region_op_cost``)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -66,6 +68,11 @@ class Chain:
         """Node range ``[start, end)`` of stage k."""
         end = self.starts[k + 1] if k + 1 < len(self.starts) else self.node_count
         return self.starts[k], end
+
+    def machinery_cost(self, k: int, d: int) -> float:
+        """Seconds a region over stages ``k..d`` adds besides its recompute, as
+        ``simulation.checkpoint_cost_seconds`` counts them for a region without keeps."""
+        return self.region_cost + self.region_op_cost * (self.span(d)[1] - self.starts[k])
 
 
 # A cut may split a tensor off from its readers (making it a skip) only if such tensors are at
@@ -214,6 +221,7 @@ def build_chain(graph: ComputeGraph, starts: list[int] | None = None) -> Chain:
         resident_bytes=graph.static.resident_bytes,
         node_count=n,
         region_cost=graph.region_cost,
+        region_op_cost=graph.region_op_cost,
         **{name: tuple(values) for name, values in fields.items()},
     )
 

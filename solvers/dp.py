@@ -138,7 +138,7 @@ class ChainDP(StageUnits):
         if rest == INF:
             return best
         child, inner = self.frame(k, d, not region, mb, rin_b, ihb)
-        total = sweep_cost + rest + child + self.region_cost
+        total = sweep_cost + rest + child + self.chain.machinery_cost(k, d)
         if total < best[0]:
             return total, (("region", k, d, inner), *plan)
         return best

@@ -89,7 +89,6 @@ class StageUnits:
         self.skip_fwd = [up(b) for b in chain.skip_fwd_bytes]
         self.skip_bwd = [up(b) for b in chain.skip_bwd_bytes]
         self.cost = chain.cost
-        self.region_cost = chain.region_cost
         # params_after[k]: parameter gradients already allocated when stage k's backward starts
         self.params_after = [0] * (L + 1)
         for k in reversed(range(L)):
@@ -135,6 +134,11 @@ class CurveDP(StageUnits):
         self._family_done: dict[tuple, np.ndarray] = {}
         self._start_done: dict[tuple, np.ndarray] = {}
         self._prefix = np.array(self.prefix_cost)
+        # machinery[k, d]: seconds a region over stages k..d adds besides its recompute
+        # (``Chain.machinery_cost``; only d ≥ k is read)
+        ends = np.array([chain.span(d)[1] for d in range(self.L)], dtype=float)
+        starts = np.array(chain.starts[:self.L], dtype=float)
+        self._machinery = chain.region_cost + chain.region_op_cost * (ends[None, :] - starts[:, None])
         # forward_need[top][k, d]: the most a child region [k, d] allocates while it runs forward
         # without saving (stage j's allocation over the input it holds), before skips in a
         # recomputation (top: at the top level, with each stage's skips).
@@ -262,7 +266,7 @@ class CurveDP(StageUnits):
             width = int(caps[0]) + 1  # the shortest child needs least
             candidates = rest_rows[k + 1:k + 1 + count, rin_b:rin_b + width] + (
                 self._prefix[k + 1:k + 1 + count, None] - self._prefix[k] if region else 0.0)
-            candidates += child_rows[k:k + count, child_shift:child_shift + width] + self.region_cost
+            candidates += child_rows[k:k + count, child_shift:child_shift + width] + self._machinery[k, k:k + count, None]
             candidates[self._entries[None, :width] > caps[:, None]] = INF
             row = candidates.argmin(axis=0)  # the first end reaching the least cost, as ChainDP picks
             best = candidates[row, self._entries[:width]]
@@ -271,7 +275,7 @@ class CurveDP(StageUnits):
             choice[:width][better] = (row[better] + (k + 1)).astype(choice.dtype)
         if whole:
             width = room + 1
-            candidate = self.region_cost + rest_rows[b + 1, rin_b:rin_b + width] + child_rows[b, child_shift:child_shift + width]
+            candidate = self._machinery[k, b] + rest_rows[b + 1, rin_b:rin_b + width] + child_rows[b, child_shift:child_shift + width]
             better = candidate < values[:width]
             values[:width][better] = candidate[better]
             choice[:width][better] = b + 1

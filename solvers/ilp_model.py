@@ -532,7 +532,8 @@ class _Builder:
 
     def _machinery_cost(self) -> cp_model.LinearExpr:
         """``simulation.checkpoint_cost_seconds``: ``graph.region_cost`` per region (each true
-        ``start``) and ``2·graph.policy_op_cost`` per node whose region keeps something. Families
+        ``start``), ``graph.region_op_cost`` per node in a region (each true ``rec``) and
+        ``2·graph.policy_op_cost`` per node whose region keeps something. Families
         (bounded from below only): ``keepupto_{t}`` — t's region keeps a node at or before t;
         ``keepfrom_{t}`` — at or after t; ``inkeep_{t}`` — either (t runs under the policy)."""
         m, n, g = self.m, self.n, self.g
@@ -540,6 +541,9 @@ class _Builder:
         region = round(g.region_cost * COST_SCALE)
         if region > 0:
             terms += [region * start for start in self.start]
+        region_op = round(g.region_op_cost * COST_SCALE)
+        if region_op > 0:
+            terms += [region_op * rec for rec in self.rec]
         policy = round(2 * g.policy_op_cost * COST_SCALE)
         if policy <= 0 or not self.keep:
             return sum(terms)

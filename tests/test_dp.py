@@ -77,9 +77,10 @@ def test_cost_curve_matches_the_reference_dp_at_every_budget(
 ) -> None:
     """The vectorised DP (one pass, every budget) against the memoised reference, one budget
     at a time: equal costs and the same plans; each region may cost as much as
-    ``region_nodes`` recomputed nodes."""
+    ``region_nodes`` recomputed nodes, and each node in it a third of one."""
     graph = chain_graph(sizes, saves_output=saves_output, param_bytes=param_bytes)
-    graph = replace(graph, region_cost=region_nodes * max(n.fwd_cost for n in graph.nodes))
+    node_cost = max(n.fwd_cost for n in graph.nodes)
+    graph = replace(graph, region_cost=region_nodes * node_cost, region_op_cost=(region_nodes > 0) * node_cost / 3)
     chain = build_chain(graph)
     top = graph.baseline_peak_bytes + 2 * mem_unit
     curve = cost_curve(chain, top, mem_unit)
@@ -111,11 +112,13 @@ def test_cost_curve_matches_the_reference_dp_on_a_graph_with_skips() -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_dp_never_worse_than_any_one_level_plan_or_sqrt(seed: int) -> None:
-    """Seeds 6 and 7 give each region a cost of its own (``graph.region_cost``)."""
+    """Seeds 6 and 7 give each region a cost of its own (``graph.region_cost``), seed 7 also
+    each node in a region (``graph.region_op_cost``)."""
     rng = random.Random(100 + seed)
     graph = random_chain(rng, rng.randint(6, 8))
     if seed >= 6:
-        graph = replace(graph, region_cost=(seed - 5) * max(n.fwd_cost for n in graph.nodes))
+        node_cost = max(n.fwd_cost for n in graph.nodes)
+        graph = replace(graph, region_cost=(seed - 5) * node_cost, region_op_cost=(seed == 7) * node_cost / 4)
     reports = [simulate(graph, plan) for plan in one_level_plans(graph, max_keeps=0)]
     peaks = sorted({r.peak_bytes for r in reports})
     for budget in peaks:

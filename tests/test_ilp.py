@@ -56,7 +56,7 @@ def test_model_peak_equals_the_simulated_peak_with_skips_dropout_and_keeps() -> 
 def test_bounding_clauses_cut_off_no_plan() -> None:
     """The proof phase's redundant clauses (``held_s or recomputed_p``) hold for every plan: with
     them the model's least peak and least cost for a fixed plan are still the simulator's."""
-    graph = replace(skip_graph(), region_cost=2.0**-20, policy_op_cost=2.0**-22)
+    graph = replace(skip_graph(), region_cost=2.0**-20, region_op_cost=2.0**-23, policy_op_cost=2.0**-22)
     rng = random.Random(4)
     for _ in range(60):
         plan = random_plan(graph, rng)
@@ -68,15 +68,17 @@ def test_bounding_clauses_cut_off_no_plan() -> None:
 
 def test_model_cost_equals_the_simulated_cost_with_checkpoint_machinery() -> None:
     """The objective counts what ``simulate`` does: recomputed nodes, each region's fixed cost,
-    and the selective policy's cost per node of a region that keeps something (in forward and
-    again in the recompute). Costs are powers of two, so the model's integers are exact."""
-    graph = replace(skip_graph(), region_cost=2.0**-20, policy_op_cost=2.0**-22)
+    its cost per node, and the selective policy's cost per node of a region that keeps something
+    (in forward and again in the recompute). Costs are powers of two, so the model's integers
+    are exact."""
+    graph = replace(skip_graph(), region_cost=2.0**-20, region_op_cost=2.0**-23, policy_op_cost=2.0**-22)
     rng = random.Random(2)
     for _ in range(100):
         plan = random_plan(graph, rng)
         report = simulate(graph, plan)
-        expected = report.recompute_seconds + 2.0**-20 * len(plan) + sum(
-            2 * 2.0**-22 * (r.end - r.start) for r in plan if r.keep
+        expected = report.recompute_seconds + sum(
+            2.0**-20 + 2.0**-23 * (r.end - r.start) + (2 * 2.0**-22 * (r.end - r.start) if r.keep else 0.0)
+            for r in plan
         )
         assert report.cost_seconds == expected
         assert model_cost(graph, plan, budget_bytes=report.peak_bytes) == pytest.approx(expected, rel=1e-9), plan
@@ -176,7 +178,8 @@ def test_ilp_is_optimal_against_every_one_level_plan_with_keep_sets(seed: int) -
     graph = chain_graph(sizes, saves_output=seed == 1)
     if seed >= 3:
         node_cost = max(n.fwd_cost for n in graph.nodes)
-        graph = replace(graph, region_cost=(seed - 2) * node_cost, policy_op_cost=node_cost / 4)
+        graph = replace(graph, region_cost=(seed - 2) * node_cost, region_op_cost=node_cost / 8,
+                        policy_op_cost=node_cost / 4)
     _check_against(graph, one_level_plans(graph, None))
 
 
@@ -244,11 +247,14 @@ class _SignalOnFirstSolution(cp_model.CpSolverSolutionCallback):
 
 def test_ctrl_c_ends_a_cp_sat_search_at_once_and_skips_later_ones() -> None:
     """Python's handler takes the SIGINT (whichever thread the kernel gives it to) and the
-    search stops; CP-SAT's own handler, which is thread-local to the solving thread, is off."""
+    search stops; CP-SAT's own handler, which is thread-local to the solving thread, is off.
+    The handler is set as an interactive Python sets it: a process started in the background
+    by a non-interactive shell (a CI job, ``cmd &``) inherits SIGINT ignored."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = 60.0
     solver.parameters.num_workers = 1
     callback = _SignalOnFirstSolution()
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     handler = signal.getsignal(signal.SIGINT)
     stopped.clear()
     try:
@@ -262,6 +268,7 @@ def test_ctrl_c_ends_a_cp_sat_search_at_once_and_skips_later_ones() -> None:
         pytest.fail("Ctrl-C escaped the search")
     finally:
         stopped.clear()
+        signal.signal(signal.SIGINT, inherited)
 
 
 def test_a_search_outside_the_main_thread_runs_in_place() -> None:
