@@ -27,7 +27,6 @@ from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import simulate
 from ckptplan.solvers import blocks
 from ckptplan.solvers.cpsat import (
-    MIN_WALL_SECONDS,
     configure,
     extract_regions,
     fix_plan,
@@ -114,10 +113,8 @@ def _sweeps(
             sub = model.Clone()
             fix_plan(sub, graph, v, best, free=range(lo, lo + LNS_WINDOW))
             solver = cp_model.CpSolver()
-            solver.parameters.num_workers = 1
-            solver.parameters.random_seed = seed
-            solver.parameters.max_deterministic_time = min(LNS_DETERMINISTIC_SECONDS, clock)
-            solver.parameters.max_time_in_seconds = max(MIN_WALL_SECONDS, deadline - time.perf_counter())
+            configure(solver, wall_seconds=deadline - time.perf_counter(),
+                      deterministic_seconds=min(LNS_DETERMINISTIC_SECONDS, clock), workers=1, seed=seed)
             code = solve_interruptibly(solver, sub)
             clock -= solver.ResponseProto().deterministic_time
             if stopped.is_set():
