@@ -1,0 +1,80 @@
+"""What one checkpoint region costs a step as it grows, measured against ckptplan's prediction.
+
+    python benchmarks/region_length.py [--width 8] [--pairs 41]
+
+A chain of 32 × (Linear + tanh) with tiny layers, so that a step is almost all fixed costs,
+profiled as the CLI's ``--costs here`` does. For one region over the first L nodes (plain, and
+keeping every other keepable node), it prints what ``simulate`` charges (recompute plus the
+checkpoint machinery, and the part of that charged per node inside a region) and what the region
+measurably adds: the median, over interleaved pairs, of a step with the region minus the plain
+step timed right after it. Prints a markdown table (stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+import ckptplan
+from ckptplan.profiler.loss import training_loss
+from ckptplan.simulation import simulate
+from ckptplan.solvers.ilp_model import keepable
+
+log = logging.getLogger("region_length")
+
+LAYERS = 32
+LENGTHS = (2, 8, 16, 32, 63)
+
+
+def _step(module: nn.Module, model: nn.Module, x: torch.Tensor) -> Callable[[], float]:
+    def timed() -> float:
+        started = time.perf_counter()
+        for p in model.parameters():
+            p.grad = None
+        training_loss(module(x)).backward()
+        return time.perf_counter() - started
+
+    return timed
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=8, help="features of each Linear (default 8)")
+    parser.add_argument("--pairs", type=int, default=41, help="interleaved pairs per region (default 41)")
+    options = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(LAYERS) for m in (nn.Linear(options.width, options.width), nn.Tanh())])
+    x = torch.randn(4, options.width)
+    roofline = ckptplan.measure_roofline()
+    graph = ckptplan.profile(model, (x,), roofline=roofline, measure_times=True)
+    log.info("%s", roofline)
+    plain = _step(model, model, x)
+    print(f"{len(graph.nodes)} nodes; charged per region {graph.region_cost * 1e3:.3f} ms, per node in a region "
+          f"{graph.region_op_cost * 1e3:.3f} ms, per node under a policy {graph.policy_op_cost * 1e3:.3f} ms "
+          "(twice)\n")
+    print("| region | nodes | recomputed | charged ms | of it per node in a region | measured ms |")
+    print("|---|---|---|---|---|---|")
+    for length in LENGTHS:
+        for keeps in (False, True):
+            kept = tuple(n.name for n in graph.nodes[:length] if keepable(graph, n.index) and n.index % 2 == 0)
+            region = ckptplan.Region(0, length, keep=kept if keeps else ())
+            report = simulate(graph, [region])
+            step = _step(ckptplan.emit(graph, [region]), model, x)
+            for _ in range(3):
+                step(), plain()
+            added = statistics.median(step() - plain() for _ in range(options.pairs))
+            print(f"| {'keeping every other node' if keeps else 'plain'} | {length} | {len(report.recomputed)} | "
+                  f"{(report.recompute_seconds + report.checkpoint_seconds) * 1e3:.2f} | "
+                  f"{graph.region_op_cost * length * 1e3:.2f} | {added * 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
