@@ -3,9 +3,10 @@
 The default cost model is an A100's datasheet, where a convolution is a few times cheaper than
 the batch norm after it; on a CPU it is the other way round (here, one thread: about 100 GFLOP/s
 of fp32 matmul, and 4 GB/s through a batch norm), and checkpointing's own bookkeeping (measured
-here: about 0.2 ms a region, tens of microseconds per op inside one, and 0.05 ms more per op under
-a selective policy) no longer hides behind GPU kernels. Plans ranked by the wrong model recompute the wrong ops: profile with
-``roofline=measure_roofline()`` when the plan is to run where it is measured.
+here: about 0.2 ms a region, tens of microseconds per op inside one, and 0.05 ms more per op
+under a selective policy) no longer hides behind GPU kernels. Plans ranked by the wrong model
+recompute the wrong ops: profile with ``roofline=measure_roofline()`` when the plan is to run
+where it is measured.
 """
 
 from __future__ import annotations
