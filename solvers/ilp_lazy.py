@@ -59,7 +59,7 @@ class LazyResult:
     strictly cheaper one was found), ``cost`` its simulated cost and ``bound`` a proven lower
     bound on every plan's, in ``COST_SCALE`` units. ``rows`` counts the event rows added of the
     ``deferred`` left out, over ``rounds`` CP-SAT runs; ``variables`` and ``constraints`` size the
-    final model."""
+    final model; ``build_seconds`` is what building the first took."""
 
     status: str
     regions: tuple[Region, ...] | None
@@ -71,6 +71,7 @@ class LazyResult:
     variables: int
     constraints: int
     seconds: float
+    build_seconds: float = 0.0
 
     def describe(self) -> str:
         if not self.deferred:
@@ -128,6 +129,7 @@ def search_lazily(
     if deferred_phases:  # the relaxation's bound rests on them; the whole model's search does better without
         add_bounding_clauses(model, v)
     model.Minimize(v.cost)
+    build_seconds = time.perf_counter() - started
     deferred = len(v.deferred)
     best, best_cost = regions, math.inf if regions is None else simulate(graph, regions).cost_seconds
     # The model rounds each node's cost to a whole COST_SCALE unit: its objective for a plan may
@@ -185,5 +187,5 @@ def search_lazily(
     return LazyResult(
         status=status, regions=best, cost=cost, bound=min(bound, cost), rounds=rounds, rows=deferred - len(v.deferred),
         deferred=deferred, variables=len(proto.variables), constraints=len(proto.constraints),
-        seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started, build_seconds=build_seconds,
     )
