@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+import compare  # benchmarks/compare.py: its timed training step
 import torch
 from torch import nn
 
 import ckptplan
-from ckptplan.profiler.loss import training_loss
 from ckptplan.simulation import simulate
 from ckptplan.solvers.ilp_model import keepable
 
@@ -30,17 +29,6 @@ log = logging.getLogger("region_length")
 
 LAYERS = 32
 LENGTHS = (2, 8, 16, 32, 63)
-
-
-def _step(module: nn.Module, model: nn.Module, x: torch.Tensor) -> Callable[[], float]:
-    def timed() -> float:
-        started = time.perf_counter()
-        for p in model.parameters():
-            p.grad = None
-        training_loss(module(x)).backward()
-        return time.perf_counter() - started
-
-    return timed
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -56,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     roofline = ckptplan.measure_roofline()
     graph = ckptplan.profile(model, (x,), roofline=roofline, measure_times=True)
     log.info("%s", roofline)
-    plain = _step(model, model, x)
+    work = compare.Workload(model, (x,))
     print(f"{len(graph.nodes)} nodes; charged per region {graph.region_cost * 1e3:.3f} ms, per node in a region "
           f"{graph.region_op_cost * 1e3:.3f} ms, per node under a policy {graph.policy_op_cost * 1e3:.3f} ms "
           "(twice)\n")
@@ -67,10 +55,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             kept = tuple(n.name for n in graph.nodes[:length] if keepable(graph, n.index) and n.index % 2 == 0)
             region = ckptplan.Region(0, length, keep=kept if keeps else ())
             report = simulate(graph, [region])
-            step = _step(ckptplan.emit(graph, [region]), model, x)
+            module = ckptplan.emit(graph, [region])
             for _ in range(3):
-                step(), plain()
-            added = statistics.median(step() - plain() for _ in range(options.pairs))
+                compare._timed_step(module, work), compare._timed_step(model, work)
+            added = statistics.median(
+                compare._timed_step(module, work) - compare._timed_step(model, work) for _ in range(options.pairs)
+            )
             print(f"| {'keeping every other node' if keeps else 'plain'} | {length} | {len(report.recomputed)} | "
                   f"{(report.recompute_seconds + report.checkpoint_seconds) * 1e3:.2f} | "
                   f"{graph.region_op_cost * length * 1e3:.2f} | {added * 1e3:.2f} |")
