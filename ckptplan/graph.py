@@ -152,7 +152,7 @@ class ComputeGraph:
     seed_bytes: int = 0
     # Seconds checkpointing's machinery adds to a step (``profiler.cost.Roofline``): per region,
     # per node of a region (its saved-tensor hooks and the recompute's bookkeeping), and per
-    # node of a region with a keep-set (once in forward, once in the recompute).
+    # kept node (its selective policy's dispatch modes, once in forward, once in the recompute).
     region_cost: float = 0.0
     region_op_cost: float = 0.0
     policy_op_cost: float = 0.0

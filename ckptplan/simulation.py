@@ -624,13 +624,13 @@ def gradient_bytes(graph: ComputeGraph) -> GradientBytes:
 def checkpoint_cost_seconds(graph: ComputeGraph, regions: Sequence[Region]) -> float:
     """Seconds ``regions`` (every level, nested ones included) add to a step besides
     recomputation: ``graph.region_cost`` each, ``graph.region_op_cost`` for each node of each
-    region, and ``graph.policy_op_cost`` twice (forward and recompute) for each node of a region
-    with a keep-set."""
+    region, and ``graph.policy_op_cost`` twice (forward and recompute) for each kept node (the
+    only nodes ``emit`` runs under a selective policy's dispatch modes; charged twice even when
+    the recompute stops before the node)."""
     seconds = 0.0
     for region in regions:
         seconds += graph.region_cost + graph.region_op_cost * (region.end - region.start)
-        if region.keep:
-            seconds += 2 * graph.policy_op_cost * (region.end - region.start)
+        seconds += 2 * graph.policy_op_cost * len(region.keep)
     return seconds
 
 

@@ -3,8 +3,8 @@
 The default cost model is an A100's datasheet, where a convolution is a few times cheaper than
 the batch norm after it; on a CPU it is the other way round (here, one thread: about 100 GFLOP/s
 of fp32 matmul, and 4 GB/s through a batch norm), and checkpointing's own bookkeeping (measured
-here: about 0.2 ms a region, tens of microseconds per op inside one, and 0.05 ms more per op
-under a selective policy) no longer hides behind GPU kernels. Plans ranked by the wrong model
+here: about 0.2 ms a region, tens of microseconds per op inside one, and 0.05 ms more per kept
+op under a selective policy) no longer hides behind GPU kernels. Plans ranked by the wrong model
 recompute the wrong ops: profile with ``roofline=measure_roofline()`` when the plan is to run
 where it is measured.
 """
@@ -75,8 +75,8 @@ def _checkpoint_costs(
     """(region_seconds, region_op_seconds, policy_op_seconds) from training steps of a tiny
     chain emitted with no regions; one region per node (each recomputing one tiny op: a
     region's cost and one op's); one region over every node (the region's cost and every op's);
-    and one region keeping every node (nothing recomputed; every op also runs under the policy,
-    in forward and in the recompute). The four are timed in turn, ``repeats`` rounds, so that a
+    and one region keeping every node (nothing recomputed; every node also runs under a selective
+    policy's dispatch mode, in forward and in the recompute). The four are timed in turn, ``repeats`` rounds, so that a
     change in the machine's speed meanwhile falls on all of them alike."""
     from ckptplan.planner.emit import emit  # planner imports profiler, not the other way
     from ckptplan.profiler import profile
@@ -113,6 +113,6 @@ def _checkpoint_costs(
     one_node = extra_seconds("singles") / len(singles)  # a region and one op
     per_op = max((extra_seconds("every") - one_node) / (n - 1), 0.0)  # a region and n ops
     per_region = max(one_node - per_op, 0.0)
-    per_policy_op = (extra_seconds("kept") - per_region - n * per_op) / (2 * n)
+    per_policy_op = (extra_seconds("kept") - per_region - n * per_op) / (2 * len(kept))
     return per_region, per_op, max(per_policy_op, 0.0)
 

@@ -56,41 +56,75 @@ def _recompute_scope() -> Iterator[None]:
         yield
     finally:
         _STATE.recompute_depth -= 1
-        # Early stop ends a recompute with an exception, possibly inside a kept node, after
-        # ``_keep_begin`` and before ``_keep_end``: without this the next step's forward would
-        # save every op of that region.
-        _STATE.keep_owner = None
 
 
-def _keep_begin(region_id: int) -> None:
-    """Marks the start of a kept node: the ops it dispatches are saved by region ``region_id``."""
-    _STATE.keep_owner = region_id
+def _save_non_views(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective policy inside a kept node: save every op's output but a view's.
+
+    A cached view would hold its base alive (``aten.linear`` on a 3-D input views the input
+    before its matmul), which the memory model, counting storages the node allocates, does not
+    expect."""
+    return CheckpointPolicy.PREFER_RECOMPUTE if getattr(op, "is_view", False) else CheckpointPolicy.MUST_SAVE
 
 
-def _keep_end() -> None:
-    _STATE.keep_owner = None
+class _KeptOutputs:
+    """What one checkpoint call of a region with a keep-set saves: for each kept node, its own
+    pair of selective-checkpoint dispatch modes (``create_selective_checkpoint_contexts``), made
+    when the node first runs. The caching mode is entered around the node in forward, the cached
+    one around it in the recompute, and nothing around the other nodes, so only kept nodes pay
+    for Python dispatch. One pair per node, not one per region entered per node, because the
+    cached mode restarts its per-op counters each time it is entered."""
+
+    def __init__(self, region_id: int) -> None:
+        self.region_id = region_id
+        self._modes: dict[str, tuple[Any, Any]] = {}
+
+    def mode(self, node: str, recomputing: bool) -> contextlib.AbstractContextManager:
+        if node not in self._modes:
+            self._modes[node] = create_selective_checkpoint_contexts(_save_non_views, allow_cache_entry_mutation=True)
+        return self._modes[node][recomputing]
+
+    @contextlib.contextmanager
+    def active(self, recomputing: bool) -> Iterator[None]:
+        """checkpoint's forward (``recomputing=False``) or recompute context: while it is open,
+        this region's kept nodes find this call's modes (``_run_kept``)."""
+        frames = _active_keeps()
+        frames.append((self, recomputing))
+        try:
+            yield
+        finally:
+            frames.pop()
 
 
-def _run_kept(region_id: int, target: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run one kept node of region ``region_id``: ``target`` is its function, module, or (a
+def _active_keeps() -> list[tuple[_KeptOutputs, bool]]:
+    """The checkpoint calls with keep-sets open on this thread, innermost last (a region's
+    recompute reruns its nested regions' forwards)."""
+    if not hasattr(_STATE, "keeps"):
+        _STATE.keeps = []
+    return _STATE.keeps
+
+
+def _run_kept(region_id: int, node: str, target: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``node``, kept by region ``region_id``: ``target`` is its function, module, or (a
     string) the method it calls on ``args[0]``.
 
-    Eager: between ``_keep_begin`` and ``_keep_end``, which the policy reads while the node's
-    ops dispatch. Under torch.compile dynamo traces this function and cannot carry that
-    thread-local state into the graph; the ops are tagged with ``fx.traceback.annotate``
-    instead, which dynamo records in each node's meta and AOTAutograd makes current while it
-    replays the node, when the compile-time policy (``CheckpointRegion._compiled_policy``) runs.
+    Eager: inside the node's caching mode in forward, its cached mode in the recompute (see
+    ``_KeptOutputs``); outside a checkpoint call (grad disabled) as is. Under torch.compile
+    dynamo traces this function and cannot carry thread-local state into the graph; the ops are
+    tagged with ``fx.traceback.annotate`` instead, which dynamo records in each node's meta and
+    AOTAutograd makes current while it replays the node, when the compile-time policy
+    (``CheckpointRegion._compiled_policy``) runs.
     """
     if torch.compiler.is_compiling():
         if not _COMPILE_SEES_ANNOTATIONS:  # CheckpointRegion.compiled_contexts says why
             return _call_target(target, args, kwargs)
         with fx_traceback.annotate({_KEEP_ANNOTATION: region_id}):
             return _call_target(target, args, kwargs)
-    _keep_begin(region_id)
-    try:
-        return _call_target(target, args, kwargs)
-    finally:
-        _keep_end()
+    for kept, recomputing in reversed(_active_keeps()):
+        if kept.region_id == region_id:
+            with kept.mode(node, recomputing):
+                return _call_target(target, args, kwargs)
+    return _call_target(target, args, kwargs)
 
 
 def _call_target(target: Any, args: tuple, kwargs: dict) -> Any:
@@ -99,12 +133,12 @@ def _call_target(target: Any, args: tuple, kwargs: dict) -> Any:
     return target(*args, **kwargs)
 
 
-def _kept_call(region_id: int, target: Any) -> Callable[..., Any]:
-    """The fx target of a kept node: ``target`` run through ``_run_kept`` (fx code cannot pass
-    a plain function as an argument, so the node calls this closure instead)."""
+def _kept_call(region_id: int, node: str, target: Any) -> Callable[..., Any]:
+    """The fx target of kept node ``node``: ``target`` run through ``_run_kept`` (fx code cannot
+    pass a plain function as an argument, so the node calls this closure instead)."""
 
     def kept(*args: Any, **kwargs: Any) -> Any:
-        return _run_kept(region_id, target, *args, **kwargs)
+        return _run_kept(region_id, node, target, *args, **kwargs)
 
     kept.__name__ = f"kept_{target if isinstance(target, str) else getattr(target, '__name__', 'node')}"
     return kept
@@ -172,16 +206,9 @@ class CheckpointRegion(nn.Module):
         self.region_id = region_id
         self.keep = keep
 
-    def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        # Views are recomputed even inside a kept node: a cached view would hold its base alive
-        # (``aten.linear`` on a 3-D input views the input before its matmul), which the memory
-        # model, counting storages the node allocates, does not expect.
-        if getattr(_STATE, "keep_owner", None) == self.region_id and not getattr(op, "is_view", False):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
     def _compiled_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        """``_policy`` under torch.compile: AOTAutograd calls it for each ATen op while it replays
+        """The selective policy under torch.compile (eager runs ``_save_non_views`` inside kept
+        nodes instead): AOTAutograd calls it for each ATen op while it replays
         the region's subgraph node by node, with the node's meta as ``fx.traceback.current_meta``;
         ``_run_kept`` tagged the kept nodes' meta. The policies it returns tag the joint graph's
         nodes, and the partitioner saves or recomputes them accordingly."""
@@ -191,14 +218,15 @@ class CheckpointRegion(nn.Module):
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        """checkpoint's ``context_fn``: the selective policy (if the region keeps anything) and
-        the recompute marker."""
+        """checkpoint's ``context_fn``: where the kept nodes find their dispatch modes (if the
+        region keeps anything) and the recompute marker."""
         if not self.keep:
             return contextlib.nullcontext(), _recompute_scope()
         # A kept node's own ops may write into tensors they just made (dropout fills its mask
-        # in place); keeps whose outputs later nodes modify are rejected when the plan is built.
-        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(self._policy, allow_cache_entry_mutation=True)
-        return forward_ctx, _chain(recompute_ctx, _recompute_scope())
+        # in place), hence ``allow_cache_entry_mutation``; keeps whose outputs later nodes
+        # modify are rejected when the plan is built.
+        kept = _KeptOutputs(self.region_id)
+        return kept.active(recomputing=False), _chain(kept.active(recomputing=True), _recompute_scope())
 
     def compiled_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """checkpoint's ``context_fn`` under torch.compile, for a region with a keep-set: the
@@ -635,7 +663,7 @@ def _mark_kept(body: torch.fx.Graph, copied: torch.fx.Node, region_id: int) -> N
     elif copied.op != "call_method" and copied.op != "call_function":
         return
     copied.op = "call_function"
-    copied.target = _kept_call(region_id, target)
+    copied.target = _kept_call(region_id, copied.name, target)
 
 
 def _mutates_first_arg(op: torch._ops.OpOverload) -> bool:

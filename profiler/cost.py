@@ -26,8 +26,9 @@ class Roofline:
     ``region_op_seconds``: what each op inside a region adds besides its own recompute: the
     saved-tensor hooks (Python) that pack each tensor it saves in forward, pack it again in
     the recompute and unpack it in backward, and autograd's recording of the recomputed op.
-    ``policy_op_seconds``: what each op of a region with a keep-set adds, once in forward and
-    once in the recompute: the selective policy sees every op it dispatches.
+    ``policy_op_seconds``: what each kept node adds, once in forward and once in the recompute:
+    ``emit`` runs it inside a selective policy's dispatch mode, which sees every op it
+    dispatches (the region's other nodes run outside any mode).
     """
 
     peak_flops_per_s: float = 312e12

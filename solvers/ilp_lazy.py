@@ -133,8 +133,9 @@ def search_lazily(
     deferred = len(v.deferred)
     best, best_cost = regions, math.inf if regions is None else simulate(graph, regions).cost_seconds
     # The model rounds each node's cost to a whole COST_SCALE unit: its objective for a plan may
-    # fall short of the simulated cost by half a unit per term (recomputed, start, inkeep).
-    slack = 1.5 * len(graph.nodes) + 1
+    # fall short of the simulated cost by half a unit per term (recomputed, start, rec, keep: at
+    # most four per node).
+    slack = 2 * len(graph.nodes) + 1
     clock = deterministic_seconds if workers == 1 else None
     status, rounds = "UNKNOWN", 0
     while not stopped.is_set():

@@ -46,8 +46,8 @@ Derived families (each defined by constraints next to where it is created):
   t; ``savedin_{s}_{j}``: a node of j's region saves s (then ``alive`` counts it instead),
   ``savedby_{s}_{j}_{jp}``: node jp, in j's region, saves it.
 * ``recomputed_{t}`` — node t is recomputed (in a region that is recomputed, before its early
-  stop, not kept): what the objective pays for, with the machinery's cost (``_machinery_cost``
-  defines ``keepupto``, ``keepfrom`` and ``inkeep``). ``IlpVars.bounding_clauses``: redundant
+  stop, not kept): what the objective pays for, with the machinery's cost (``_machinery_cost``:
+  per ``start``, ``rec`` and ``keep``). ``IlpVars.bounding_clauses``: redundant
   pairs ``held_s or recomputed_p`` that tighten the LP relaxation (``hold_or_recompute``).
 
 Every derived boolean that only ever adds memory or cost is bounded from below only (the
@@ -533,33 +533,15 @@ class _Builder:
     def _machinery_cost(self) -> cp_model.LinearExpr:
         """``simulation.checkpoint_cost_seconds``: ``graph.region_cost`` per region (each true
         ``start``), ``graph.region_op_cost`` per node in a region (each true ``rec``) and
-        ``2·graph.policy_op_cost`` per node whose region keeps something. Families
-        (bounded from below only): ``keepupto_{t}`` — t's region keeps a node at or before t;
-        ``keepfrom_{t}`` — at or after t; ``inkeep_{t}`` — either (t runs under the policy)."""
-        m, n, g = self.m, self.n, self.g
+        ``2·graph.policy_op_cost`` per kept node (each true ``keep``)."""
+        g = self.g
         terms = []
-        region = round(g.region_cost * COST_SCALE)
-        if region > 0:
-            terms += [region * start for start in self.start]
-        region_op = round(g.region_op_cost * COST_SCALE)
-        if region_op > 0:
-            terms += [region_op * rec for rec in self.rec]
-        policy = round(2 * g.policy_op_cost * COST_SCALE)
-        if policy <= 0 or not self.keep:
-            return sum(terms)
-        upto = [m.NewBoolVar(f"keepupto_{t}") for t in range(n)]
-        after = [m.NewBoolVar(f"keepfrom_{t}") for t in range(n)]
-        for t, keep in self.keep.items():
-            m.AddImplication(keep, upto[t])
-            m.AddImplication(keep, after[t])
-        for t in range(1, n):
-            self.implies([upto[t - 1], self.cont[t]], upto[t])
-            self.implies([after[t], self.cont[t]], after[t - 1])
-        for t in range(n):
-            inkeep = m.NewBoolVar(f"inkeep_{t}")
-            m.AddImplication(upto[t], inkeep)
-            m.AddImplication(after[t], inkeep)
-            terms.append(policy * inkeep)
+        for seconds, family in (
+            (g.region_cost, self.start), (g.region_op_cost, self.rec), (2 * g.policy_op_cost, self.keep.values())
+        ):
+            units = round(seconds * COST_SCALE)
+            if units > 0:
+                terms += [units * var for var in family]
         return sum(terms)
 
 

@@ -68,8 +68,8 @@ def test_bounding_clauses_cut_off_no_plan() -> None:
 
 def test_model_cost_equals_the_simulated_cost_with_checkpoint_machinery() -> None:
     """The objective counts what ``simulate`` does: recomputed nodes, each region's fixed cost,
-    its cost per node, and the selective policy's cost per node of a region that keeps something
-    (in forward and again in the recompute). Costs are powers of two, so the model's integers
+    its cost per node, and the selective policy's cost per kept node (in forward and again in
+    the recompute). Costs are powers of two, so the model's integers
     are exact."""
     graph = replace(skip_graph(), region_cost=2.0**-20, region_op_cost=2.0**-23, policy_op_cost=2.0**-22)
     rng = random.Random(2)
@@ -77,7 +77,7 @@ def test_model_cost_equals_the_simulated_cost_with_checkpoint_machinery() -> Non
         plan = random_plan(graph, rng)
         report = simulate(graph, plan)
         expected = report.recompute_seconds + sum(
-            2.0**-20 + 2.0**-23 * (r.end - r.start) + (2 * 2.0**-22 * (r.end - r.start) if r.keep else 0.0)
+            2.0**-20 + 2.0**-23 * (r.end - r.start) + 2 * 2.0**-22 * len(r.keep)
             for r in plan
         )
         assert report.cost_seconds == expected

@@ -200,5 +200,5 @@ def test_measured_roofline_carries_this_machine_s_fixed_costs_into_plans() -> No
     assert (graph.region_cost, graph.region_op_cost, graph.policy_op_cost) == (
         roofline.region_seconds, roofline.region_op_seconds, roofline.policy_op_seconds)
     plan = ckptplan.make_plan(graph, [ckptplan.Region(0, 4, keep=(graph.nodes[0].name,))])
-    expected = roofline.region_seconds + 4 * roofline.region_op_seconds + 2 * 4 * roofline.policy_op_seconds
+    expected = roofline.region_seconds + 4 * roofline.region_op_seconds + 2 * roofline.policy_op_seconds
     assert plan.prediction.checkpoint_seconds == pytest.approx(expected)
