@@ -915,8 +915,8 @@ def _method_paragraphs(settings: Settings, seconds: float, threads: int) -> list
         "`InfeasibleBudgetError`, unchecked. Identical ckptplan plans and identical torch.compile partitions are "
         "measured once. ckptplan prices plans as the CLI's `--costs here` does (`measure_times=True`, "
         "`roofline=ckptplan.measure_roofline()`): each op by its measured time on this CPU, plus the measured fixed "
-        "cost of each checkpoint region, of each op inside one and of each op under a selective policy, since that is "
-        "where the plans run."
+        "cost of each checkpoint region, of each op inside one and of each kept op (run under a selective policy), "
+        "since that is where the plans run."
     )
     machine = (
         f"Machine: {machine_line(threads)}. Full run: {seconds / 60:.1f} min. `ilp`/`auto` time limit "

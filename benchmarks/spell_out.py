@@ -9,7 +9,7 @@ with the kernels whole and spelled out, at compare.py's 6 s and at the default 6
 is run as compare.py measures a point: MemTracker peak, extra matmul FLOPs (``FlopCounterMode``),
 step time over the no-checkpoint step's (median of ``repeats`` interleaved steps), gradients.
 
-Then the fixed costs ``--costs here`` charges per region and per op under a selective policy
+Then the fixed costs ``--costs here`` charges per region, per op in one and per kept op
 (``measure_roofline``, timed on a tiny chain) against what they are on this model: four regions,
 one per layer, each around the layer's 512→128 ``linear`` (recomputed), the same keeping its
 output (nothing recomputed: the policy's cost alone), and around an ``add`` that saves nothing
@@ -175,7 +175,7 @@ def print_plans(work: compare.Workload, budget: int, repeats: int) -> None:
 def print_costs(work: compare.Workload, repeats: int) -> None:
     graph, rows = region_costs(work, repeats)
     print(f"\nCharged per region {graph.region_cost * 1e3:.2f} ms, per node in it {graph.region_op_cost * 1e3:.3f} ms, "
-          f"per node under a selective policy {graph.policy_op_cost * 1e3:.3f} ms (twice: forward and recompute); "
+          f"per kept node {graph.policy_op_cost * 1e3:.3f} ms (twice: forward and recompute); "
           "measured per region, "
           "medians of interleaved steps against the plan without regions:\n")
     print("| regions | count | forward ms | backward ms | predicted recompute ms | charged fixed ms |")
