@@ -1,7 +1,7 @@
 """The ``ilp`` solver against ``sqrt`` and ``dp`` in one process: model size, time, status, gap
 and the recompute overhead of each plan, on the examples and a ``transformers`` GPT-2.
 
-    python benchmarks/ilp_speed.py [--time-limit 60] [--workers 1] [--proof-only]
+    python benchmarks/ilp_speed.py [--time-limit 60] [--workers 1] [--proof-only] [--graphs unet,resnet,gpt,gpt2:2]
 
 Each graph is solved at 70% and 50% of its no-checkpoint peak. ``ilp`` runs with the given time
 limit (model building included) and starts from the ``dp``/``sqrt`` plans and the block-by-block
@@ -41,6 +41,7 @@ from ckptplan.solvers.ilp_model import COST_SCALE
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FRACTIONS = (0.7, 0.5)
+DEFAULT_GRAPHS = ("unet", "resnet", "gpt", "gpt2:2")
 
 
 def example_graph(name: str) -> ckptplan.ComputeGraph:
@@ -51,13 +52,13 @@ def example_graph(name: str) -> ckptplan.ComputeGraph:
     return ckptplan.profile(model, args)
 
 
-def gpt2_graph() -> ckptplan.ComputeGraph | None:
+def gpt2_graph(layers: int) -> ckptplan.ComputeGraph | None:
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         return None
     config = GPT2Config(
-        n_layer=2, n_embd=128, n_head=4, n_positions=256, vocab_size=1000, bos_token_id=0, eos_token_id=0, use_cache=False
+        n_layer=layers, n_embd=128, n_head=4, n_positions=256, vocab_size=1000, bos_token_id=0, eos_token_id=0, use_cache=False
     )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
@@ -123,11 +124,19 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--proof-only", action="store_true", help="the proof phase alone, from the block-by-block plan")
+    parser.add_argument("--graphs", default=",".join(DEFAULT_GRAPHS),
+                        help="examples by name and gpt2:N, a transformers GPT-2 of N layers "
+                             f"(default {','.join(DEFAULT_GRAPHS)})")
     options = parser.parse_args()
-    graphs = {name: example_graph(name) for name in ("unet", "resnet", "gpt")}
-    gpt2 = gpt2_graph()
-    if gpt2 is not None:
-        graphs["transformers GPT-2 (2 layers)"] = gpt2
+    graphs = {}
+    for name in options.graphs.split(","):
+        if name.startswith("gpt2:"):
+            layers = int(name.partition(":")[2])
+            gpt2 = gpt2_graph(layers)
+            if gpt2 is not None:
+                graphs[f"transformers GPT-2 ({layers} layers)"] = gpt2
+        else:
+            graphs[name] = example_graph(name)
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
           f"time limit {options.time_limit:g} s, {options.workers} worker(s)\n")
     if options.proof_only:
@@ -149,7 +158,7 @@ def main() -> None:
                 plan = solve_ilp(graph, budget, time_limit=options.time_limit, workers=options.workers)
                 ilp = f"{plan.prediction.overhead:.3f}"
                 status, gap = plan.solver.status, "-" if plan.solver.gap is None else f"{plan.solver.gap:.2f}"
-                proof = plan.solver.note.partition("proof phase: ")[2] or "-"
+                proof = plan.solver.note.partition("proof phase")[2].partition(": ")[2] or "-"
             except InfeasibleBudgetError:
                 ilp, status, gap, proof = "infeasible", "infeasible", "-", "-"
             seconds = time.perf_counter() - started
