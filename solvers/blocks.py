@@ -180,8 +180,8 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     allows ``THOROUGH_SECONDS`` per solve, ``dp``'s plan is a warm start too and the least peak
     is the flat ilp's. Below ``MIN_SOLVE_SECONDS`` per solve there are no flat solves: each
     budget's policy is the ilp's starting plan instead (``ilp.starting_plan``: the ranked,
-    ``sqrt`` and ``dp`` plans with keeps added or shed by ``solvers.refine``), as it is for the
-    budgets reached with less than that left. No policy is made once ``seconds`` have run out."""
+    ``sqrt`` and ``dp`` plans with keeps added or shed by ``solvers.refine``), made until
+    ``seconds`` run out."""
     from ckptplan.solvers.ilp import solve_flat, starting_plan, warm_plans  # ilp imports this module
 
     length = block.end - block.start
@@ -207,28 +207,25 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
             for policy in ranked
         ]
         least = min([least_peak_regions(sub)[1], *(p.prediction.peak_bytes for p in starts)])
-        if thorough and deadline - time.perf_counter() >= per_solve:
+        if thorough:
             try:
                 solve_flat(sub, sub.static.resident_bytes, time_limit=per_solve, warm=(), announce=False, lazy=False)
                 least = sub.static.resident_bytes
             except InfeasibleBudgetError as error:
                 least = min(least, error.min_peak_bytes)
         for k in range(POLICY_BUDGETS):
-            left = deadline - time.perf_counter()
-            if left <= 0:
+            if quick and time.perf_counter() >= deadline:
                 break
             budget = least + (top - least) * k // POLICY_BUDGETS
             warm = [p for p in starts if p.prediction.peak_bytes <= budget]
             warm += warm_plans(sub, budget, per_solve, names=warm_solvers)
-            # Each CP-SAT solve costs its model's build beyond its limit, so the last solves before
-            # the deadline are the quick kind: past it only the ranked policies are left.
-            if quick or left < MIN_SOLVE_SECONDS:
+            if quick:
                 regions = starting_plan(sub, warm, budget, deadline=deadline)
                 if regions is None:
                     continue
             else:
                 try:
-                    regions = solve_flat(sub, budget, time_limit=min(per_solve, left), warm=warm, announce=False,
+                    regions = solve_flat(sub, budget, time_limit=per_solve, warm=warm, announce=False,
                                          lazy=False).regions
                 except InfeasibleBudgetError:
                     continue
