@@ -266,7 +266,9 @@ class CurveDP(StageUnits):
             width = int(caps[0]) + 1  # the shortest child needs least
             candidates = rest_rows[k + 1:k + 1 + count, rin_b:rin_b + width] + (
                 self._prefix[k + 1:k + 1 + count, None] - self._prefix[k] if region else 0.0)
-            candidates += child_rows[k:k + count, child_shift:child_shift + width] + self._machinery[k, k:k + count, None]
+            # Summed in ChainDP's order (sweep + rest + child + machinery), so ties break alike.
+            candidates += child_rows[k:k + count, child_shift:child_shift + width]
+            candidates += self._machinery[k, k:k + count, None]
             candidates[self._entries[None, :width] > caps[:, None]] = INF
             row = candidates.argmin(axis=0)  # the first end reaching the least cost, as ChainDP picks
             best = candidates[row, self._entries[:width]]
@@ -275,7 +277,8 @@ class CurveDP(StageUnits):
             choice[:width][better] = (row[better] + (k + 1)).astype(choice.dtype)
         if whole:
             width = room + 1
-            candidate = self._machinery[k, b] + rest_rows[b + 1, rin_b:rin_b + width] + child_rows[b, child_shift:child_shift + width]
+            candidate = rest_rows[b + 1, rin_b:rin_b + width] + child_rows[b, child_shift:child_shift + width]
+            candidate += self._machinery[k, b]
             better = candidate < values[:width]
             values[:width][better] = candidate[better]
             choice[:width][better] = b + 1
