@@ -149,6 +149,7 @@ def search_lazily(
         rounds += 1
         if best is not None:
             hint_complete(model, graph, v, best)
+            left = deadline - time.perf_counter()  # completing the hint solves a copy of the model
         solver = cp_model.CpSolver()
         configure(solver, wall_seconds=left, deterministic_seconds=left if clock is None else clock,
                   workers=workers, seed=seed)
