@@ -213,8 +213,8 @@ class CheckpointRegion(nn.Module):
         ``_run_kept`` tagged the kept nodes' meta. The policies it returns tag the joint graph's
         nodes, and the partitioner saves or recomputes them accordingly."""
         owner = fx_traceback.current_meta.get("custom", {}).get(_KEEP_ANNOTATION)
-        if owner == self.region_id and not getattr(op, "is_view", False):
-            return CheckpointPolicy.MUST_SAVE
+        if owner == self.region_id:
+            return _save_non_views(ctx, op, *args, **kwargs)
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
