@@ -222,6 +222,7 @@ class Point:
     status: str = "ok"
     budget_bytes: int | None = None
     predicted_bytes: int | None = None
+    predicted_time_ratio: float | None = None  # ckptplan's: 1 + the plan's predicted overhead
     solver: str | None = None
     regions: int | None = None  # top-level regions of a ckptplan plan; 0: the empty plan (no checkpointing)
     note: str = ""
@@ -581,7 +582,8 @@ def _ckptplan_points(
             if not plan.regions:
                 note = "; ".join(x for x in ("empty plan: no checkpointing", note) if x)
             points.append(Point("ckptplan", setting, f"ckptplan {solver}", metrics, budget_bytes=budget,
-                                predicted_bytes=plan.prediction.peak_bytes, solver=solver,
+                                predicted_bytes=plan.prediction.peak_bytes,
+                                predicted_time_ratio=1 + plan.prediction.overhead, solver=solver,
                                 regions=len(plan.regions), note=note))
     return points
 
@@ -666,6 +668,8 @@ def render_table(result: ModelResult) -> str:
         setting = point.setting
         if point.predicted_bytes is not None:
             setting += f"; predicted {point.predicted_bytes / MIB:.1f} MiB"
+        if point.predicted_time_ratio is not None:
+            setting += f", {point.predicted_time_ratio:.2f}× step time"
         if point.note:
             setting += f"; {point.note}"
         if v["peak_mib"] is None:
@@ -809,6 +813,13 @@ def summarize(result: ModelResult) -> list[str]:
             f"auto's choice (ranked by ckptplan's cost estimate) measured slower than dp's plan at the same budget "
             f"at {dp_faster} of the {differ} budgets where they differ."
         )
+    predicted = [p for p in ours if p.predicted_time_ratio is not None and p.regions and "same plan as" not in p.note]
+    if predicted:
+        errors = sorted(p.metrics.time_ratio - p.predicted_time_ratio for p in predicted)
+        out.append(
+            f"Step time, measured minus predicted ratio, over ckptplan's {len(errors)} distinct plans with regions: "
+            f"median {statistics.median(errors):+.2f}, from {errors[0]:+.2f} to {errors[-1]:+.2f}."
+        )
     bad = sorted({p.group for p in result.points if p.metrics is not None and p.metrics.grads != "yes"
                   and not p.group.startswith("torch.compile")})
     if bad:
@@ -916,7 +927,8 @@ def _method_paragraphs(settings: Settings, seconds: float, threads: int) -> list
         "measured once. ckptplan prices plans as the CLI's `--costs here` does (`measure_times=True`, "
         "`roofline=ckptplan.measure_roofline()`): each op by its measured time on this CPU, plus the measured fixed "
         "cost of each checkpoint region, of each op inside one and of each kept op (run under a selective policy), "
-        "since that is where the plans run."
+        "since that is where the plans run. Each ckptplan row gives the plan's predicted peak and predicted step-time "
+        "ratio (1 + `Plan.prediction.overhead`), to read against the measured ones."
     )
     machine = (
         f"Machine: {machine_line(threads)}. Full run: {seconds / 60:.1f} min. `ilp`/`auto` time limit "
