@@ -75,9 +75,10 @@ def _checkpoint_costs(
     """(region_seconds, region_op_seconds, policy_op_seconds) from training steps of a tiny
     chain emitted with no regions; one region per node (each recomputing one tiny op: a
     region's cost and one op's); one region over every node (the region's cost and every op's);
-    and one region keeping every node (nothing recomputed; every node also runs under a selective
-    policy's dispatch mode, in forward and in the recompute). The four are timed in turn, ``repeats`` rounds, so that a
-    change in the machine's speed meanwhile falls on all of them alike."""
+    and one region keeping every node (nothing recomputed; every node also runs under a
+    selective policy's dispatch mode, in forward and in the recompute). The four are timed in
+    turn, ``repeats`` rounds, so that a change in the machine's speed meanwhile falls on all of
+    them alike."""
     from ckptplan.planner.emit import emit  # planner imports profiler, not the other way
     from ckptplan.profiler import profile
     from ckptplan.profiler.loss import training_loss

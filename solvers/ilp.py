@@ -227,8 +227,9 @@ def solve_ilp(
     Graphs of more than ``FLAT_MAX_NODES`` nodes made of repeated blocks are solved block by
     block (``solvers.blocks``: the flat model on one block per class, then one policy per block
     by dynamic programming); up to ``PROOF_MAX_NODES`` nodes the proof phase then runs on the
-    whole graph with the last ``PROOF_SHARE`` of the limit (``bound_whole``). Smaller graphs, or ones without repeated blocks, are solved whole
-    (``solve_flat``), with the block-by-block plan among the warm starts.
+    whole graph with the last ``PROOF_SHARE`` of the limit (``bound_whole``). Smaller graphs, or
+    ones without repeated blocks, are solved whole (``solve_flat``), with the block-by-block
+    plan among the warm starts.
     """
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
