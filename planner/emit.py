@@ -208,8 +208,8 @@ class CheckpointRegion(nn.Module):
 
     def _compiled_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         """The selective policy under torch.compile (eager runs ``_save_non_views`` inside kept
-        nodes instead): AOTAutograd calls it for each ATen op while it replays
-        the region's subgraph node by node, with the node's meta as ``fx.traceback.current_meta``;
+        nodes instead): AOTAutograd calls it for each ATen op while it replays the region's
+        subgraph node by node, with the node's meta as ``fx.traceback.current_meta``;
         ``_run_kept`` tagged the kept nodes' meta. The policies it returns tag the joint graph's
         nodes, and the partitioner saves or recomputes them accordingly."""
         owner = fx_traceback.current_meta.get("custom", {}).get(_KEEP_ANNOTATION)

@@ -324,7 +324,13 @@ def bound_whole(graph: ComputeGraph, budget_bytes: int, plan: Plan, *, deadline:
             f"{window} nodes): {proof.describe()}")
     return better.model_copy(update={"solver": SolverInfo(
         name="ilp", status="optimal" if optimal else "feasible", seconds=seconds,
-        gap=0.0 if optimal else max(0.0, (cost - proof.bound) / cost), note=note)})
+        gap=_gap(optimal, cost, proof.bound), note=note)})
+
+
+def _gap(optimal: bool, cost: float, bound: float) -> float:
+    """The proven relative gap of a plan costing ``cost`` against the lower ``bound`` (both in
+    ``COST_SCALE`` units): 0 when proven optimal or free."""
+    return 0.0 if optimal or cost <= 0 else max(0.0, (cost - bound) / cost)
 
 
 def solve_flat(
@@ -442,7 +448,7 @@ def solve_flat(
         return best.model_copy(update={"solver": SolverInfo(
             name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note)})
     cost = plan.prediction.cost_seconds * COST_SCALE
-    gap = 0.0 if status == "OPTIMAL" or cost <= 0 else max(0.0, (cost - bound) / cost)
+    gap = _gap(status == "OPTIMAL", cost, bound)
     note = f"one-level regions with keep-sets, {size}{proof_note}"
     return plan.model_copy(update={"solver": SolverInfo(
         name="ilp", status="optimal" if status == "OPTIMAL" else "feasible", seconds=time.perf_counter() - started,
