@@ -5,7 +5,8 @@ and the recompute overhead of each plan, on the examples and a ``transformers`` 
 
 Each graph is solved at 70% and 50% of its no-checkpoint peak. ``ilp`` runs with the given time
 limit (model building included) and starts from the ``dp``/``sqrt`` plans and the block-by-block
-plan, which is also shown alone (given the whole limit; ``ilp`` gives it a quarter); "start" is
+plan, which is also shown alone (given the whole limit; ``ilp`` gives it a quarter, or 70% when
+the proof phase follows it at once: limits of 34 s and up, ``ilp.proof_follows``); "start" is
 the plan the search starts from (the cheapest of those, refined by ``solvers.refine``); "gap" is
 CP-SAT's proven relative gap (1.0: no lower bound better than zero was proven), "proof phase"
 what the proof phase (``solvers.ilp_lazy`` with 8 workers) needed of the memory rows it leaves
@@ -29,7 +30,9 @@ import torch
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.solvers.ilp import (
-    HIERARCHICAL_SHARE,
+    FLAT_MAX_NODES,
+    WARM_SOLVERS,
+    blocks_share,
     build_model,
     solve_hierarchical,
     solve_ilp,
@@ -87,9 +90,9 @@ def start_overhead(graph: ckptplan.ComputeGraph, budget: int, time_limit: float)
     """The overhead of the plan the ilp's search starts from (``starting_plan``: the ``dp``,
     ``sqrt`` and block-by-block plans, the last with the share of the limit ``solve_ilp`` gives
     it, refined by ``solvers.refine``)."""
-    warm = warm_plans(graph, budget, time_limit)
+    warm = warm_plans(graph, budget, time_limit, names=("sqrt",) if len(graph.nodes) > FLAT_MAX_NODES else WARM_SOLVERS)
     try:
-        block_plan = solve_hierarchical(graph, budget, time_limit=time_limit * HIERARCHICAL_SHARE, warm=())
+        block_plan = solve_hierarchical(graph, budget, time_limit=time_limit * blocks_share(graph, time_limit), warm=())
     except InfeasibleBudgetError:
         block_plan = None
     regions = starting_plan(graph, warm + ([block_plan] if block_plan is not None else []), budget)
@@ -158,7 +161,7 @@ def main() -> None:
                 plan = solve_ilp(graph, budget, time_limit=options.time_limit, workers=options.workers)
                 ilp = f"{plan.prediction.overhead:.3f}"
                 status, gap = plan.solver.status, "-" if plan.solver.gap is None else f"{plan.solver.gap:.2f}"
-                proof = plan.solver.note.partition("proof phase")[2].partition(": ")[2] or "-"
+                proof = plan.solver.note.rpartition(": ")[2] if "proof phase" in plan.solver.note else "-"
             except InfeasibleBudgetError:
                 ilp, status, gap, proof = "infeasible", "infeasible", "-", "-"
             seconds = time.perf_counter() - started

@@ -7,9 +7,10 @@ from a relaxation without most memory rows and adding those that plans break; ``
 deterministic clock: half of it lazily, the rest in ``improve_locally``, a large-neighbourhood
 search over windows of nodes on the whole model) leaves its time to the proof phase, the lazy
 search again with CP-SAT's parallel portfolio, which proves the plan optimal or finds a cheaper
-one. The ``sqrt`` and ``dp`` plans warm-start the search (as hints when they are one-level,
-after ``solvers.refine`` has added or shed keeps on them) and stay candidates: a time-limited
-solve never returns anything worse than them. Every plan is simulated before it is taken.
+one. On graphs of repeated blocks, given time for a proof, the proof phase starts at once from
+the block-by-block plan (``solvers.blocks``) instead. The ``sqrt`` and ``dp`` plans warm-start
+the search (as hints when they are one-level, after ``solvers.refine`` has added or shed keeps
+on them) and stay candidates: a time-limited solve never returns anything worse than them. Every plan is simulated before it is taken.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ckptplan.solvers.cpsat import (
     solve_interruptibly,
     stopped,
 )
-from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, PROOF_WORKERS, search_lazily
+from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, PROOF_WORKERS, LazyResult, search_lazily
 from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, build_model, region_window
 from ckptplan.solvers.refine import add_keeps, shed_keeps, simplify
 from ckptplan.solvers.registry import get_solver, register
@@ -57,13 +58,13 @@ GLOBAL_SHARE = 0.5  # of the time left after warm starts: the lazy search; the r
 REFINE_SHARE = 0.1
 REFINE_MIN_SECONDS = 0.02
 FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
-# Up to this many nodes, the block-by-block plan gets the proof phase on the whole graph too, when
+# Up to this many nodes, the proof phase runs on the whole graph after the block-by-block plan when
 # the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 12 layers (555 nodes, 229k
 # variables, 5 s to build), 70% of its peak, 60 s: gap 0.08. Beyond, the model alone takes most
 # of a minute to build (GPT-3's 5,147 nodes).
 PROOF_MAX_NODES = 1_200
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
-HIERARCHICAL_SHARE = 0.25  # of the time limit, on smaller graphs: the block-by-block warm start
+HIERARCHICAL_SHARE = 0.25  # of the time limit, without a proof phase to follow: the block-by-block warm start
 # The proof phase (``ilp_lazy`` with ``PROOF_WORKERS``) runs on the time the reproducible search leaves,
 # if at least this much: CP-SAT's portfolio of 8 workers needs seconds to start raising its bound
 # (and short solves, as in tests and block policies, end without one).
@@ -224,36 +225,51 @@ def solve_ilp(
 ) -> Plan:
     """The least-recompute one-level plan with keep-sets whose simulated peak fits ``budget_bytes``.
 
-    Graphs of more than ``FLAT_MAX_NODES`` nodes made of repeated blocks are solved block by
-    block (``solvers.blocks``: the flat model on one block per class, then one policy per block
-    by dynamic programming); up to ``PROOF_MAX_NODES`` nodes the proof phase then runs on the
-    whole graph with the last ``PROOF_SHARE`` of the limit (``bound_whole``). Smaller graphs, or
-    ones without repeated blocks, are solved whole (``solve_flat``), with the block-by-block
-    plan among the warm starts.
+    On graphs made of repeated blocks the block-by-block plan (``solvers.blocks``: the flat model
+    on one block per class, then one policy per block by dynamic programming) comes first. When
+    the limit leaves the proof phase ``MIN_PROOF_SECONDS`` (``PROOF_SHARE`` of it) and the graph
+    has at most ``PROOF_MAX_NODES`` nodes, the proof phase then runs on the whole graph from the
+    cheapest warm plan, with the rest of the limit (``solve_flat(proof_only=True)``): from a
+    block-by-block start it proves in seconds what the one-worker search would spend its time
+    approaching. Otherwise graphs above ``FLAT_MAX_NODES`` nodes return the block-by-block plan,
+    and smaller ones, or ones without repeated blocks, are searched whole (``solve_flat``) with
+    the block-by-block plan among the warm starts.
     """
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     stopped.clear()
     if budget_bytes >= graph.baseline_peak_bytes:
         return solve_flat(graph, budget_bytes, time_limit=limit)
-    if len(graph.nodes) > FLAT_MAX_NODES:
-        provable = len(graph.nodes) <= PROOF_MAX_NODES and PROOF_SHARE * limit >= MIN_PROOF_SECONDS
-        plan = solve_hierarchical(graph, budget_bytes, time_limit=limit * (1 - PROOF_SHARE) if provable else limit,
-                                  warm=warm)
+    large, provable = len(graph.nodes) > FLAT_MAX_NODES, proof_follows(graph, limit)
+    if large and not provable:
+        plan = solve_hierarchical(graph, budget_bytes, time_limit=limit, warm=warm)
         if plan is not None:
-            return bound_whole(graph, budget_bytes, plan, deadline=started + limit) if provable else plan
-    # On smaller graphs the block-by-block plan is one more warm start for the whole model.
-    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit)
+            return plan
+    share = blocks_share(graph, limit)
     try:
-        by_blocks = solve_hierarchical(graph, budget_bytes, time_limit=limit * HIERARCHICAL_SHARE, warm=())
+        by_blocks = solve_hierarchical(graph, budget_bytes, time_limit=limit * share, warm=())
     except InfeasibleBudgetError:
         by_blocks = None
+    # dp is slow and coarse on large graphs (see ``solvers.solve_auto``)
+    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit,
+                                                           names=("sqrt",) if large else WARM_SOLVERS)
     if by_blocks is not None:
         warm.append(by_blocks)
     return solve_flat(
-        graph, budget_bytes, time_limit=limit * (1 - HIERARCHICAL_SHARE), workers=workers, seed=seed,
-        window=window, warm=warm, deadline=started + limit,
+        graph, budget_bytes, time_limit=limit * (1 - share), workers=workers, seed=seed,
+        window=window, warm=warm, deadline=started + limit, proof_only=provable and by_blocks is not None,
     )
+
+
+def proof_follows(graph: ComputeGraph, limit: float) -> bool:
+    """Whether ``solve_ilp`` with ``limit`` seconds runs the proof phase on the whole ``graph``."""
+    return len(graph.nodes) <= PROOF_MAX_NODES and PROOF_SHARE * limit >= MIN_PROOF_SECONDS
+
+
+def blocks_share(graph: ComputeGraph, limit: float) -> float:
+    """The share of ``limit`` that ``solve_ilp`` gives the block-by-block plan on smaller graphs
+    (or ones with a proof phase to follow), where it is a warm start."""
+    return 1 - PROOF_SHARE if proof_follows(graph, limit) else HIERARCHICAL_SHARE
 
 
 def solve_hierarchical(
@@ -299,34 +315,6 @@ def solve_hierarchical(
     return plan
 
 
-def bound_whole(graph: ComputeGraph, budget_bytes: int, plan: Plan, *, deadline: float) -> Plan:
-    """``plan`` (block by block) after the proof phase on the whole graph until ``deadline``
-    (``search_lazily`` with ``PROOF_WORKERS`` from its regions): a cheaper plan if it finds one,
-    and the proven gap. Unchanged when less than ``MIN_PROOF_SECONDS`` are left, after Ctrl-C,
-    or when ``plan`` is outside the model's space (nested, or a region longer than its window)."""
-    started = time.perf_counter()
-    window = region_window(graph, None)
-    if (
-        deadline - started < MIN_PROOF_SECONDS
-        or stopped.is_set()
-        or any(r.children or r.end - r.start > window for r in plan.regions)
-    ):
-        return plan
-    proof = search_lazily(graph, budget_bytes, plan.regions, seconds=deadline - started, workers=PROOF_WORKERS)
-    regions = plan.regions
-    if proof.regions is not None and proof.regions != regions:  # strictly cheaper
-        regions = simplify(graph, proof.regions, budget_bytes)
-    seconds = plan.solver.seconds + time.perf_counter() - started
-    better = solver_plan(graph, regions, budget_bytes, SolverInfo(name="ilp", status="feasible", seconds=seconds))
-    cost = better.prediction.cost_seconds * COST_SCALE
-    optimal = proof.status == "OPTIMAL" or cost <= 0
-    note = (f"{plan.solver.note}; proof phase on the whole graph ({len(graph.nodes)} nodes, regions of at most "
-            f"{window} nodes): {proof.describe()}")
-    return better.model_copy(update={"solver": SolverInfo(
-        name="ilp", status="optimal" if optimal else "feasible", seconds=seconds,
-        gap=_gap(optimal, cost, proof.bound), note=note)})
-
-
 def _gap(optimal: bool, cost: float, bound: float) -> float:
     """The proven relative gap of a plan costing ``cost`` against the lower ``bound`` (both in
     ``COST_SCALE`` units): 0 when proven optimal or free."""
@@ -345,6 +333,7 @@ def solve_flat(
     announce: bool = True,
     deadline: float | None = None,
     lazy: bool = True,
+    proof_only: bool = False,
 ) -> Plan:
     """``solve_ilp`` on the whole graph as one CP-SAT model.
 
@@ -361,7 +350,8 @@ def solve_flat(
     (default: those of ``WARM_SOLVERS``), returned instead when cheaper. ``lazy=False``: the
     reproducible search states every memory row up front (``solvers.blocks`` on small blocks
     and short clocks, where restarting after each broken row costs more than it saves); so does
-    it when no warm plan is one-level and fits.
+    it when no warm plan is one-level and fits. ``proof_only``: no reproducible search, the proof
+    phase starts from the refined warm plans at once and runs until ``deadline``.
     """
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
@@ -377,42 +367,34 @@ def solve_flat(
     # Time kept for the proof phase, whose portfolio finds and proves optima the one worker does
     # not (ilp_speed at 60 s: without the reserve the search left GPT at 50% 9 s, no proof).
     reserve = PROOF_SHARE * limit if PROOF_SHARE * limit >= MIN_PROOF_SECONDS else 0.0
-    search_end = end - reserve
     clock = (limit - reserve) * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not left: reproducible
-    found = search_lazily(
-        graph, budget_bytes, start, seconds=max(0.1, search_end - time.perf_counter()) * GLOBAL_SHARE, workers=workers,
-        deterministic_seconds=clock * GLOBAL_SHARE, seed=seed, window=window, announce=announce,
-        # Without a plan to start from, the whole model: its presolve proves an infeasible budget
-        # at once, where the relaxation must first gain rows (ViT at 70% with 2 s: no answer).
-        deferred_phases=DEFERRED_PHASES if lazy and start is not None else frozenset(),
-    )
-    status, regions, bound = found.status, found.regions, found.bound
-    if regions is not None and regions != start:
-        regions = simplify(graph, regions, budget_bytes)
-    # The local search's model, the whole one, takes longer to build than the search's relaxation
-    # did (GPT example: 1.3-1.8 s); with less time left than that it would not free one window.
-    if status == "FEASIBLE" and not stopped.is_set() and search_end - time.perf_counter() > found.build_seconds:
-        model, v = build_model(graph, budget_bytes, window=window)
-        model.Minimize(v.cost)
-        regions = improve_locally(
-            model, graph, v, regions, budget_bytes, deadline=search_end,
-            deterministic_seconds=clock * (1 - GLOBAL_SHARE), seed=seed,
-        )
-    left = (end if deadline is None else deadline) - time.perf_counter()
-    proof_note = ""
-    if status == "FEASIBLE" and not stopped.is_set() and left >= MIN_PROOF_SECONDS:
-        proof = search_lazily(graph, budget_bytes, regions, seconds=left, workers=PROOF_WORKERS, seed=seed,
-                              window=window, bound=bound, announce=announce)
-        if proof.regions != regions:  # strictly cheaper: the reproducible search's plan stands otherwise
-            regions = simplify(graph, proof.regions, budget_bytes)
-        if proof.status == "OPTIMAL":
-            status = "OPTIMAL"
-        bound = max(bound, proof.bound)
-        proof_note = f"; proof phase: {proof.describe()}"
+    last = end if deadline is None else deadline  # where the proof phase ends
+    if proof_only and start is not None:
+        found = search_lazily(graph, budget_bytes, start, seconds=max(0.1, last - time.perf_counter()),
+                              workers=PROOF_WORKERS, seed=seed, window=window, announce=announce)
+        status, regions, bound = found.status, found.regions, found.bound
+        if regions != start:  # strictly cheaper
+            regions = simplify(graph, regions, budget_bytes)
+        blocks_note = next((f" ({p.solver.note})" for p in warm if _origin(p) == HIERARCHICAL), "")
+        how = f"proof phase on the whole graph from the cheapest warm plan{blocks_note}: {found.describe()}"
+    else:
+        found, regions = _search(graph, budget_bytes, start, search_end=end - reserve, clock=clock, workers=workers,
+                                 seed=seed, window=window, announce=announce, lazy=lazy)
+        status, bound = found.status, found.bound
+        how = f"search: {found.describe()}"
+        left = last - time.perf_counter()
+        if status == "FEASIBLE" and not stopped.is_set() and left >= MIN_PROOF_SECONDS:
+            proof = search_lazily(graph, budget_bytes, regions, seconds=left, workers=PROOF_WORKERS, seed=seed,
+                                  window=window, bound=bound, announce=announce)
+            if proof.regions != regions:  # strictly cheaper: the reproducible search's plan stands otherwise
+                regions = simplify(graph, proof.regions, budget_bytes)
+            if proof.status == "OPTIMAL":
+                status = "OPTIMAL"
+            bound = max(bound, proof.bound)
+            how += f"; proof phase: {proof.describe()}"
     size = f"{len(graph.nodes)} nodes, {found.variables} variables, {found.constraints} constraints"
     if region_window(graph, window) < len(graph.nodes):
         size += f", regions of at most {region_window(graph, window)} nodes"
-    size += f"; search: {found.describe()}"
     if regions is None:
         if status == "INFEASIBLE":
             least, proven = least_peak(graph, time_limit=end - time.perf_counter(), deterministic_seconds=clock,
@@ -449,10 +431,49 @@ def solve_flat(
             name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note)})
     cost = plan.prediction.cost_seconds * COST_SCALE
     gap = _gap(status == "OPTIMAL", cost, bound)
-    note = f"one-level regions with keep-sets, {size}{proof_note}"
+    note = f"one-level regions with keep-sets, {size}; {how}"
     return plan.model_copy(update={"solver": SolverInfo(
         name="ilp", status="optimal" if status == "OPTIMAL" else "feasible", seconds=time.perf_counter() - started,
         gap=gap, note=note)})
+
+
+def _search(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    start: tuple[Region, ...] | None,
+    *,
+    search_end: float,
+    clock: float,
+    workers: int,
+    seed: int,
+    window: int | None,
+    announce: bool,
+    lazy: bool,
+) -> tuple[LazyResult, tuple[Region, ...] | None]:
+    """``solve_flat``'s reproducible search from ``start`` until ``search_end`` (a
+    ``time.perf_counter()`` value) or ``clock`` seconds of CP-SAT's deterministic clock: the
+    lazy search with half of both, then ``improve_locally``. Returns the lazy search's result and
+    the plan after both (None when neither found one)."""
+    found = search_lazily(
+        graph, budget_bytes, start, seconds=max(0.1, search_end - time.perf_counter()) * GLOBAL_SHARE, workers=workers,
+        deterministic_seconds=clock * GLOBAL_SHARE, seed=seed, window=window, announce=announce,
+        # Without a plan to start from, the whole model: its presolve proves an infeasible budget
+        # at once, where the relaxation must first gain rows (ViT at 70% with 2 s: no answer).
+        deferred_phases=DEFERRED_PHASES if lazy and start is not None else frozenset(),
+    )
+    regions = found.regions
+    if regions is not None and regions != start:
+        regions = simplify(graph, regions, budget_bytes)
+    # The local search's model, the whole one, takes longer to build than the search's relaxation
+    # did (GPT example: 1.3-1.8 s); with less time left than that it would not free one window.
+    if found.status == "FEASIBLE" and not stopped.is_set() and search_end - time.perf_counter() > found.build_seconds:
+        model, v = build_model(graph, budget_bytes, window=window)
+        model.Minimize(v.cost)
+        regions = improve_locally(
+            model, graph, v, regions, budget_bytes, deadline=search_end,
+            deterministic_seconds=clock * (1 - GLOBAL_SHARE), seed=seed,
+        )
+    return found, regions
 
 
 def starting_plan(

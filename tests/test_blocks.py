@@ -117,21 +117,26 @@ def test_block_by_block_plan_runs_with_equal_gradients_and_measured_peak(gpt) ->
     assert_same_gradients(model, emitted, args)
 
 
-def test_large_graphs_get_the_proof_phase_on_the_whole_graph(gpt, monkeypatch) -> None:
-    """Above ``FLAT_MAX_NODES`` (lowered here so the 6-layer GPT counts as large) the block-by-block
-    plan gets the proof phase on the whole graph when the limit leaves it ``MIN_PROOF_SECONDS``
-    (lowered too): a proven gap, and a plan no dearer than the one it started from."""
+def test_graphs_of_blocks_get_the_proof_phase_from_the_block_by_block_plan(gpt, monkeypatch) -> None:
+    """When the limit leaves the proof phase ``MIN_PROOF_SECONDS`` (lowered here), ``ilp`` runs it
+    on the whole graph from the block-by-block plan: a proven gap, and a plan no dearer than the
+    warm starts'. Without that time, graphs above ``FLAT_MAX_NODES`` (lowered so the 6-layer GPT
+    counts as large) get the block-by-block plan alone."""
     from ckptplan.solvers import ilp
 
     _, _, graph = gpt
     budget = parse_budget(0.7, graph.baseline_peak_bytes)
-    monkeypatch.setattr(ilp, "FLAT_MAX_NODES", len(graph.nodes) - 1)
     monkeypatch.setattr(ilp, "MIN_PROOF_SECONDS", 1.0)
+    dp_cost = ckptplan.solve(graph, budget, solver="dp").prediction.cost_seconds
+    for flat_max in (ilp.FLAT_MAX_NODES, len(graph.nodes) - 1):
+        monkeypatch.setattr(ilp, "FLAT_MAX_NODES", flat_max)
+        plan = ilp.solve_ilp(graph, budget, time_limit=8)
+        assert "block by block" in plan.solver.note and "proof phase on the whole graph" in plan.solver.note
+        assert plan.solver.gap is not None and 0.0 <= plan.solver.gap <= 1.0
+        assert plan.solver.status == "feasible" or plan.solver.gap == 0.0
+        assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
+        assert plan.prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
+        if flat_max > len(graph.nodes):  # dp is a warm start on small graphs only
+            assert plan.prediction.cost_seconds <= dp_cost
     short = ilp.solve_ilp(graph, budget, time_limit=3)  # 0.3 × 3 s < 1 s: block by block alone
     assert "block by block" in short.solver.note and "proof phase" not in short.solver.note
-    plan = ilp.solve_ilp(graph, budget, time_limit=8)
-    assert "block by block" in plan.solver.note and "proof phase on the whole graph" in plan.solver.note
-    assert plan.solver.gap is not None and 0.0 <= plan.solver.gap <= 1.0
-    assert plan.solver.status == "feasible" or plan.solver.gap == 0.0
-    assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
-    assert plan.prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
