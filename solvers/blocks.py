@@ -38,7 +38,6 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -68,6 +67,15 @@ THOROUGH_SECONDS = 0.2
 # and solving each small model costs 0.1-0.3 s whatever its limit (a 2-layer Llama: 7 s of
 # block solves for an ilp asked to take 2 s in all).
 MIN_SOLVE_SECONDS = 0.05
+# What block policies cost beyond the limits they are given, per node of the block, so that the
+# split of ``seconds`` depends on the graph and never on the clock (plans stay reproducible).
+# Measured here: a flat solve of a block takes 0.09-0.18 s more than its CP-SAT limit on the GPT
+# example's 25-node and a transformers GPT-2's 41-node blocks (model build, hint completion, the
+# solver's start), dp's warm plan 0.03-0.06 s, and one quick policy (ballast, budget) 1.4-2.9 ms
+# per node on those and the U-Net's and ResNet's blocks.
+SOLVE_SECONDS_PER_NODE = 0.0045
+DP_SECONDS_PER_NODE = 0.0013
+QUICK_SECONDS_PER_NODE = 0.0025
 MIN_BLOCK_NODES = 4  # smaller blocks leave nothing to decide inside them: no decomposition
 
 
@@ -176,25 +184,30 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     ``POLICY_BUDGETS`` budgets from a least peak to its unplanned peak, for each ballast of
     ``BALLAST_SHARES`` × the block's activation bytes (0 favours a low peak inside the block,
     more favours storing little for the rest of the step). Each solve starts from the ranked
-    policies and ``sqrt``'s plan; the least peak is the lowest of theirs. When ``seconds``
-    allows ``THOROUGH_SECONDS`` per solve, ``dp``'s plan is a warm start too and the least peak
-    is the flat ilp's. Below ``MIN_SOLVE_SECONDS`` per solve there are no flat solves: each
-    budget's policy is the ilp's starting plan instead (``ilp.starting_plan``: the ranked,
-    ``sqrt`` and ``dp`` plans with keeps added or shed by ``solvers.refine``), made until
-    ``seconds`` run out."""
+    policies and ``sqrt``'s plan; the least peak is the lowest of theirs. ``seconds`` is shared
+    out by the block's size (``SOLVE_SECONDS_PER_NODE`` and its siblings), not by the clock, so
+    every run makes the same solves with the same limits. When it allows ``THOROUGH_SECONDS`` per solve, ``dp``'s plan is a
+    warm start too and the least peak is the flat ilp's. Below ``MIN_SOLVE_SECONDS`` per solve
+    there are no flat solves: each budget's policy is the ilp's starting plan instead
+    (``ilp.starting_plan``: the ranked, ``sqrt`` and ``dp`` plans with keeps added or shed by
+    ``solvers.refine``), for as many ballasts and budgets, in order, as ``seconds`` pays for."""
     from ckptplan.solvers.ilp import solve_flat, starting_plan, warm_plans  # ilp imports this module
 
     length = block.end - block.start
     ranked = ranked_keep_policies(graph, block)
     found: list[tuple[Region, ...]] = [(), *ranked]
     activation = sum(graph.saved_bytes(i) for i in range(block.start, block.end))
-    per_solve = seconds / (len(BALLAST_SHARES) * (POLICY_BUDGETS + 1))
+    nodes = length + 1  # the block graph's, with its ballast
+    slot = seconds / (len(BALLAST_SHARES) * (POLICY_BUDGETS + 1))  # per solve; dp's limit for its warm plans
+    per_solve = slot - SOLVE_SECONDS_PER_NODE * nodes  # the CP-SAT limit of each
     # Too short for CP-SAT solves. On the GPT example at 70% and 50%, with the 1.5 s ``ilp`` gives
     # the blocks at a 6 s limit, ranked policies alone made block-by-block plans of 0.094 and 0.153
     # overhead, refined starting plans 0.011 and 0.023 (CP-SAT's, given 6 s: 0.011 and 0.025).
     quick = per_solve < MIN_SOLVE_SECONDS
-    deadline = time.perf_counter() + seconds
-    thorough = per_solve >= THOROUGH_SECONDS
+    quick_left = int(seconds / (QUICK_SECONDS_PER_NODE * nodes))  # starting plans paid for, in the loops' order
+    thorough = per_solve - DP_SECONDS_PER_NODE * nodes >= THOROUGH_SECONDS
+    if thorough:
+        per_solve -= DP_SECONDS_PER_NODE * nodes
     warm_solvers = ("sqrt", "dp") if thorough or quick else ("sqrt",)
     for share in BALLAST_SHARES:
         sub = block_graph(graph, block, int(share * activation))
@@ -214,13 +227,14 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
             except InfeasibleBudgetError as error:
                 least = min(least, error.min_peak_bytes)
         for k in range(POLICY_BUDGETS):
-            if quick and time.perf_counter() >= deadline:
+            if quick and quick_left <= 0:
                 break
+            quick_left -= 1
             budget = least + (top - least) * k // POLICY_BUDGETS
             warm = [p for p in starts if p.prediction.peak_bytes <= budget]
-            warm += warm_plans(sub, budget, per_solve, names=warm_solvers)
+            warm += warm_plans(sub, budget, slot, names=warm_solvers)
             if quick:
-                regions = starting_plan(sub, warm, budget, deadline=deadline)
+                regions = starting_plan(sub, warm, budget)
                 if regions is None:
                     continue
             else:
