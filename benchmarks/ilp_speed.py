@@ -1,7 +1,8 @@
 """The ``ilp`` solver against ``sqrt`` and ``dp`` in one process: model size, time, status, gap
 and the recompute overhead of each plan, on the examples and a ``transformers`` GPT-2.
 
-    python benchmarks/ilp_speed.py [--time-limit 60] [--workers 1] [--proof-only] [--graphs unet,resnet,gpt,gpt2:2]
+    python benchmarks/ilp_speed.py [--time-limit 60] [--workers 1] [--proof-only | --limits 2,6,15]
+                                   [--graphs unet,resnet,gpt,gpt2:2]
 
 Each graph is solved at 70% and 50% of its no-checkpoint peak. ``ilp`` runs with the given time
 limit (model building included) and starts from the ``dp``/``sqrt`` plans and the block-by-block
@@ -11,6 +12,9 @@ the plan the search starts from (the cheapest of those, refined by ``solvers.ref
 CP-SAT's proven relative gap (1.0: no lower bound better than zero was proven), "proof phase"
 what the proof phase (``solvers.ilp_lazy`` with 8 workers) needed of the memory rows it leaves
 out (absent when the reproducible search proved the plan itself). Prints a Markdown table.
+
+``--limits 2,6,15``: instead, ``ilp`` at each of those time limits: the seconds it took against
+the limit asked, and the plan's overhead (does it keep to its limit?).
 
 ``--proof-only``: the proof phase alone (``search_lazily`` with 8 workers) from the block-by-block plan
 (or ``sqrt``'s, where the blocks find none), given the whole time limit: how long a proof takes
@@ -122,11 +126,30 @@ def proof_only(graphs: dict[str, ckptplan.ComputeGraph], time_limit: float) -> N
                   f"{gap:.2f} | {proof.rounds} | {proof.rows} of {proof.deferred} | {proof.seconds:.1f} |", flush=True)
 
 
+def limits(graphs: dict[str, ckptplan.ComputeGraph], seconds: list[float]) -> None:
+    print("| graph | nodes | budget | limit s | ilp s | over the limit s | overhead | status |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, graph in graphs.items():
+        for fraction in FRACTIONS:
+            budget = int(fraction * graph.baseline_peak_bytes)
+            for limit in seconds:
+                started = time.perf_counter()
+                try:
+                    plan = solve_ilp(graph, budget, time_limit=limit)
+                    overhead, status = f"{plan.prediction.overhead:.3f}", plan.solver.status
+                except InfeasibleBudgetError:
+                    overhead, status = "-", "infeasible"
+                took = time.perf_counter() - started
+                print(f"| {name} | {len(graph.nodes)} | {fraction:.0%} | {limit:g} | {took:.1f} | {took - limit:+.1f} | "
+                      f"{overhead} | {status} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--proof-only", action="store_true", help="the proof phase alone, from the block-by-block plan")
+    parser.add_argument("--limits", help="comma-separated time limits: the seconds ilp takes at each")
     parser.add_argument("--graphs", default=",".join(DEFAULT_GRAPHS),
                         help="examples by name and gpt2:N, a transformers GPT-2 of N layers "
                              f"(default {','.join(DEFAULT_GRAPHS)})")
@@ -144,6 +167,9 @@ def main() -> None:
           f"time limit {options.time_limit:g} s, {options.workers} worker(s)\n")
     if options.proof_only:
         proof_only(graphs, options.time_limit)
+        return
+    if options.limits:
+        limits(graphs, [float(x) for x in options.limits.split(",")])
         return
     print("| graph | nodes | variables | constraints | build s | budget | sqrt overhead | dp overhead "
           "| block-by-block overhead | s | start overhead | ilp overhead | ilp status | gap | ilp s | proof phase |")

@@ -58,10 +58,8 @@ BALLAST_SHARES = (0.0, 1.0, 4.0)  # the rest of the step, in the block's activat
 KEEP_STEPS = 4  # keep-set sizes of ranked_keep_policies: 0, 1/4, ..., all of the keepable nodes
 FREED_UNITS = 4000  # buckets of freed bytes in which the choice DP keeps one state
 MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan overshoots
-# With this many seconds per block solve, dp's plans warm-start them too (on GPT-2, 4 layers,
-# they made block-by-block plans up to 10x cheaper at 80%, for about 0.06 s per solve) and the
-# lowest budget tried is the least peak the flat ilp finds (GPT-3 at 80 GB: 22.5% overhead,
-# 22.7% from sqrt's least peak).
+# With this many seconds per block solve, the lowest budget tried is the least peak the flat ilp
+# finds (GPT-3 at 80 GB: 22.5% overhead, 22.7% from sqrt's least peak).
 THOROUGH_SECONDS = 0.2
 # Below this many seconds per block solve, the ranked policies alone are the candidates: building
 # and solving each small model costs 0.1-0.3 s whatever its limit (a 2-layer Llama: 7 s of
@@ -184,13 +182,13 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     ``POLICY_BUDGETS`` budgets from a least peak to its unplanned peak, for each ballast of
     ``BALLAST_SHARES`` × the block's activation bytes (0 favours a low peak inside the block,
     more favours storing little for the rest of the step). Each solve starts from the ranked
-    policies and ``sqrt``'s plan; the least peak is the lowest of theirs. ``seconds`` is shared
-    out by the block's size (``SOLVE_SECONDS_PER_NODE`` and its siblings), not by the clock, so
-    every run makes the same solves with the same limits. When it allows ``THOROUGH_SECONDS`` per solve, ``dp``'s plan is a
-    warm start too and the least peak is the flat ilp's. Below ``MIN_SOLVE_SECONDS`` per solve
+    policies and the ``sqrt`` and ``dp`` plans; the least peak is the lowest of theirs, or the
+    flat ilp's when ``seconds`` allows ``THOROUGH_SECONDS`` per solve. ``seconds`` is shared out
+    by the block's size (``SOLVE_SECONDS_PER_NODE`` and its siblings), not by the clock, so
+    every run makes the same solves with the same limits. Below ``MIN_SOLVE_SECONDS`` per solve
     there are no flat solves: each budget's policy is the ilp's starting plan instead
-    (``ilp.starting_plan``: the ranked, ``sqrt`` and ``dp`` plans with keeps added or shed by
-    ``solvers.refine``), for as many ballasts and budgets, in order, as ``seconds`` pays for."""
+    (``ilp.starting_plan``: those warm plans with keeps added or shed by ``solvers.refine``),
+    for as many ballasts and budgets, in order, as ``seconds`` pays for."""
     from ckptplan.solvers.ilp import solve_flat, starting_plan, warm_plans  # ilp imports this module
 
     length = block.end - block.start
@@ -199,16 +197,16 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     activation = sum(graph.saved_bytes(i) for i in range(block.start, block.end))
     nodes = length + 1  # the block graph's, with its ballast
     slot = seconds / (len(BALLAST_SHARES) * (POLICY_BUDGETS + 1))  # per solve; dp's limit for its warm plans
-    per_solve = slot - SOLVE_SECONDS_PER_NODE * nodes  # the CP-SAT limit of each
+    # dp's plans warm-start every solve: without them, solves of 0.2 s from sqrt's plan made the
+    # 12-layer GPT-2's block-by-block plans at 70% and 50% cost 0.058 and 0.126 where the quick
+    # policies made 0.006 and 0.069 (``ilp_speed.py --limits 2,6,15``).
+    per_solve = slot - (SOLVE_SECONDS_PER_NODE + DP_SECONDS_PER_NODE) * nodes  # the CP-SAT limit of each
+    thorough = per_solve >= THOROUGH_SECONDS
     # Too short for CP-SAT solves. On the GPT example at 70% and 50%, with the 1.5 s ``ilp`` gives
     # the blocks at a 6 s limit, ranked policies alone made block-by-block plans of 0.094 and 0.153
     # overhead, refined starting plans 0.011 and 0.023 (CP-SAT's, given 6 s: 0.011 and 0.025).
     quick = per_solve < MIN_SOLVE_SECONDS
     quick_left = int(seconds / (QUICK_SECONDS_PER_NODE * nodes))  # starting plans paid for, in the loops' order
-    thorough = per_solve - DP_SECONDS_PER_NODE * nodes >= THOROUGH_SECONDS
-    if thorough:
-        per_solve -= DP_SECONDS_PER_NODE * nodes
-    warm_solvers = ("sqrt", "dp") if thorough or quick else ("sqrt",)
     for share in BALLAST_SHARES:
         sub = block_graph(graph, block, int(share * activation))
         top = sub.baseline_peak_bytes
@@ -232,7 +230,7 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
             quick_left -= 1
             budget = least + (top - least) * k // POLICY_BUDGETS
             warm = [p for p in starts if p.prediction.peak_bytes <= budget]
-            warm += warm_plans(sub, budget, slot, names=warm_solvers)
+            warm += warm_plans(sub, budget, slot)
             if quick:
                 regions = starting_plan(sub, warm, budget)
                 if regions is None:

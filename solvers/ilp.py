@@ -70,6 +70,11 @@ HIERARCHICAL_SHARE = 0.25  # of the time limit, without a proof phase to follow:
 # (and short solves, as in tests and block policies, end without one).
 MIN_PROOF_SECONDS = 10.0
 PROOF_SHARE = 0.3  # of the time limit, kept for the proof phase when that is MIN_PROOF_SECONDS or more
+# Building the CP-SAT model costs about this much per (node, node of its region window) pair:
+# 40-120 us on the examples and GPT-2s of ``benchmarks/ilp_speed.py`` (the GPT example's 20,480
+# pairs: 1.4-1.5 s). The search, which builds it twice (its own and the hint completion's copy),
+# is skipped when the limit cannot pay for that: the GPT example asked for 2 s took 4.3-5.0 s.
+BUILD_SECONDS_PER_PAIR = 75e-6
 
 
 def improve_locally(
@@ -369,7 +374,13 @@ def solve_flat(
     reserve = PROOF_SHARE * limit if PROOF_SHARE * limit >= MIN_PROOF_SECONDS else 0.0
     clock = (limit - reserve) * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not left: reproducible
     last = end if deadline is None else deadline  # where the proof phase ends
-    if proof_only and start is not None:
+    build_seconds = BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, window)
+    found = None
+    if start is not None and not proof_only and limit - reserve < 2 * build_seconds:
+        status, regions, bound = "FEASIBLE", start, 0.0
+        how = (f"no CP-SAT search: {limit:g} s does not pay for building its model (about {build_seconds:.1f} s), "
+               "so the refined warm plan")
+    elif proof_only and start is not None:
         found = search_lazily(graph, budget_bytes, start, seconds=max(0.1, last - time.perf_counter()),
                               workers=PROOF_WORKERS, seed=seed, window=window, announce=announce)
         status, regions, bound = found.status, found.regions, found.bound
@@ -392,7 +403,9 @@ def solve_flat(
                 status = "OPTIMAL"
             bound = max(bound, proof.bound)
             how += f"; proof phase: {proof.describe()}"
-    size = f"{len(graph.nodes)} nodes, {found.variables} variables, {found.constraints} constraints"
+    size = f"{len(graph.nodes)} nodes"
+    if found is not None:
+        size += f", {found.variables} variables, {found.constraints} constraints"
     if region_window(graph, window) < len(graph.nodes):
         size += f", regions of at most {region_window(graph, window)} nodes"
     if regions is None:
