@@ -37,7 +37,7 @@ from ckptplan.solvers.cpsat import (
 )
 from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, PROOF_WORKERS, LazyResult, search_lazily
 from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, build_model, region_window
-from ckptplan.solvers.refine import add_keeps, shed_keeps, simplify
+from ckptplan.solvers.refine import Moves, add_keeps, shed_keeps, simplify
 from ckptplan.solvers.registry import get_solver, register
 from ckptplan.solvers.sqrt import least_peak_regions
 from ckptplan.units import describe_bytes
@@ -57,6 +57,9 @@ GLOBAL_SHARE = 0.5  # of the time left after warm starts: the lazy search; the r
 # block policies run many solves of a fraction of a second each.
 REFINE_SHARE = 0.1
 REFINE_MIN_SECONDS = 0.02
+# Those seconds become a count of moves (``refine.Moves``), so that the start does not depend on
+# the machine's speed: one simulate took 7-26 us per node on ilp_speed's graphs here.
+SIMULATE_SECONDS_PER_NODE = 15e-6
 FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
 # Up to this many nodes, the proof phase runs on the whole graph after the block-by-block plan when
 # the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 12 layers (555 nodes, 229k
@@ -368,7 +371,9 @@ def solve_flat(
                        note="the budget holds the step without checkpointing"),
         )
     warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit)
-    start = starting_plan(graph, warm, budget_bytes, deadline=started + max(REFINE_MIN_SECONDS, limit * REFINE_SHARE))
+    refine_seconds = max(REFINE_MIN_SECONDS, limit * REFINE_SHARE)
+    start = starting_plan(graph, warm, budget_bytes,
+                          moves=Moves(int(refine_seconds / (SIMULATE_SECONDS_PER_NODE * len(graph.nodes)))))
     # Time kept for the proof phase, whose portfolio finds and proves optima the one worker does
     # not (ilp_speed at 60 s: without the reserve the search left GPT at 50% 9 s, no proof).
     reserve = PROOF_SHARE * limit if PROOF_SHARE * limit >= MIN_PROOF_SECONDS else 0.0
@@ -490,17 +495,17 @@ def _search(
 
 
 def starting_plan(
-    graph: ComputeGraph, warm: Sequence[Plan], budget_bytes: int, *, deadline: float | None = None
+    graph: ComputeGraph, warm: Sequence[Plan], budget_bytes: int, *, moves: Moves | None = None
 ) -> tuple[Region, ...] | None:
     """Where the search starts: the cheapest one-level plan made from the regions of a one-level
     ``warm`` plan by ``refine.add_keeps``, either on its keep-sets or on ``refine.shed_keeps``'s
-    (moves made until ``deadline``); None when no warm plan is one-level."""
+    (all sharing ``moves``); None when no warm plan is one-level."""
     refined = []
     for regions in dict.fromkeys(p.regions for p in warm if all(not r.children for r in p.regions)):
-        refined.append(add_keeps(graph, regions, budget_bytes, deadline=deadline))
-        selective = shed_keeps(graph, regions, budget_bytes, deadline=deadline)
+        refined.append(add_keeps(graph, regions, budget_bytes, moves=moves))
+        selective = shed_keeps(graph, regions, budget_bytes, moves=moves)
         if selective is not None:
-            refined.append(add_keeps(graph, selective, budget_bytes, deadline=deadline))
+            refined.append(add_keeps(graph, selective, budget_bytes, moves=moves))
     best = min(refined, key=lambda regions: simulate(graph, regions).cost_seconds, default=None)
     return None if best is None else simplify(graph, best, budget_bytes)
 

@@ -12,12 +12,28 @@ far (``benchmarks/ilp_speed.py --time-limit 6`` measures both).
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Region
 from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.ilp_model import keepable
+
+
+@dataclass
+class Moves:
+    """How many more moves (each one ``simulate``) the passes sharing this allowance may make.
+    A count rather than a deadline, so that a refined plan depends on the graph and the
+    allowance, never on how fast the machine ran."""
+
+    left: int
+
+    def take(self) -> bool:
+        """Spend one move; False (and nothing spent) when none is left."""
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
 
 
 def keep_priority(graph: ComputeGraph, t: int) -> float:
@@ -31,12 +47,12 @@ def _worth_keeping(graph: ComputeGraph, t: int) -> bool:
 
 
 def add_keeps(
-    graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int, *, deadline: float | None = None
+    graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int, *, moves: Moves | None = None
 ) -> tuple[Region, ...]:
     """``regions`` with more nodes kept: every keepable node inside a region that costs something
     to recompute, tried once each in order of ``keep_priority`` (highest first), stays kept when
-    the plan still fits ``budget_bytes`` and recomputes less. ``deadline`` (a
-    ``time.perf_counter()`` value) ends the pass early. ``regions`` must be one-level."""
+    the plan still fits ``budget_bytes`` and recomputes less. The pass ends early when ``moves``
+    run out. ``regions`` must be one-level."""
     current = list(regions)
     best = simulate(graph, regions)
     candidates = sorted(
@@ -45,7 +61,7 @@ def add_keeps(
         key=lambda item: (-keep_priority(graph, item[1]), item[1]),
     )
     for region_index, t in candidates:
-        if deadline is not None and time.perf_counter() >= deadline:
+        if moves is not None and not moves.take():
             break
         region = current[region_index]
         keep = sorted([*region.keep, graph.nodes[t].name], key=graph.index_of.__getitem__)
@@ -57,12 +73,12 @@ def add_keeps(
 
 
 def shed_keeps(
-    graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int, *, deadline: float | None = None
+    graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int, *, moves: Moves | None = None
 ) -> tuple[Region, ...] | None:
     """``regions`` keeping every keepable node that costs something to recompute, then keeping
     fewer, lowest ``keep_priority`` first, until the plan fits ``budget_bytes`` (Megatron's
     selective recompute from the other end: recompute the cheap ops first); None when it never
-    fits (or ``deadline`` passes first). ``add_keeps`` afterwards takes back what fits again."""
+    fits (or ``moves`` run out first). ``add_keeps`` afterwards takes back what fits again."""
     current = [
         Region(r.start, r.end, keep=tuple(
             graph.nodes[t].name for t in range(r.start, r.end) if _worth_keeping(graph, t)))
@@ -74,7 +90,7 @@ def shed_keeps(
     )
     report = simulate(graph, tuple(current))
     for region_index, t in shed:
-        if report.peak_bytes <= budget_bytes or (deadline is not None and time.perf_counter() >= deadline):
+        if report.peak_bytes <= budget_bytes or (moves is not None and not moves.take()):
             break
         region = current[region_index]
         current[region_index] = Region(
