@@ -220,6 +220,21 @@ def test_warm_start_is_never_beaten_by_a_stopped_search() -> None:
     assert plan.prediction.peak_bytes <= budget
 
 
+def test_a_limit_too_short_to_build_the_model_returns_the_refined_warm_plan() -> None:
+    """When the limit cannot pay for building the CP-SAT model (``BUILD_SECONDS_PER_PAIR``), the
+    search is skipped: the refined warm plan comes back, the same on every run, and says why."""
+    from ckptplan.solvers import ilp
+
+    graph = chain_graph([100, 300] * 100)
+    budget = int(0.6 * graph.baseline_peak_bytes)
+    assert 2 * ilp.BUILD_SECONDS_PER_PAIR * 200 * 128 > 1.0  # the model would take longer than the limit
+    plans = [solve_ilp(graph, budget, time_limit=1.0) for _ in range(2)]
+    assert "no CP-SAT search" in plans[0].solver.note
+    assert plans[0].regions == plans[1].regions
+    assert simulate(graph, plans[0]).peak_bytes <= budget
+    assert plans[0].prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
+
+
 def _slow_to_prove(n: int = 30) -> cp_model.CpModel:
     """n queens with a weighted objective: CP-SAT finds a placement in well under a second and
     cannot prove the least one in minutes."""

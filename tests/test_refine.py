@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ckptplan import Region
 from ckptplan.simulation import simulate
 from ckptplan.solvers.ilp import solve_ilp
-from ckptplan.solvers.refine import add_keeps, shed_keeps, simplify
+from ckptplan.solvers.refine import Moves, add_keeps, shed_keeps, simplify
 from ckptplan.solvers.sqrt import solve_sqrt
 from tests.plan_spaces import random_plan
 from tests.synthetic import chain_graph, skip_graph
@@ -69,6 +69,20 @@ def test_shed_keeps_recomputes_the_cheapest_outputs_per_byte_first() -> None:
     budget = simulate(graph, (Region(0, 6, keep=("linear_2",)),)).peak_bytes
     shed = shed_keeps(graph, (Region(0, 6),), budget)
     assert shed is not None and "linear_2" in shed[0].keep
+
+
+def test_moves_stop_the_passes_when_spent() -> None:
+    """An allowance of moves, shared by the passes, bounds their work by count (not by the clock,
+    which would make the plan depend on the machine): none spent leaves the plan as it was."""
+    graph = chain_graph([100] * 6, fwd_flops=[200, 100, 10_000, 100, 200, 100])
+    region = (Region(0, 6),)
+    budget = simulate(graph, (Region(0, 6, keep=("linear_2",)),)).peak_bytes
+    assert add_keeps(graph, region, budget, moves=Moves(0)) == region
+    assert shed_keeps(graph, region, budget, moves=Moves(0)) is None  # every output kept breaks the budget
+    moves = Moves(1)
+    assert "linear_2" in add_keeps(graph, region, budget, moves=moves)[0].keep  # the costliest per byte first
+    assert moves.left == 0
+    assert add_keeps(graph, region, budget, moves=moves) == region  # the allowance is shared
 
 
 def test_the_ilp_search_starts_from_the_refined_warm_plan() -> None:
