@@ -383,7 +383,7 @@ def solve_flat(
     found = None
     if start is not None and not proof_only and limit - reserve < 2 * build_seconds:
         status, regions, bound = "FEASIBLE", start, 0.0
-        how = (f"no CP-SAT search: {limit:g} s does not pay for building its model (about {build_seconds:.1f} s), "
+        how = (f"no CP-SAT search: too little time to build its model (about {build_seconds:.1f} s, twice), "
                "so the refined warm plan")
     elif proof_only and start is not None:
         found = search_lazily(graph, budget_bytes, start, seconds=max(0.1, last - time.perf_counter()),
