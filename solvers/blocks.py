@@ -70,10 +70,11 @@ MIN_SOLVE_SECONDS = 0.05
 # Measured here: a flat solve of a block takes 0.09-0.18 s more than its CP-SAT limit on the GPT
 # example's 25-node and a transformers GPT-2's 41-node blocks (model build, hint completion, the
 # solver's start), dp's warm plan 0.03-0.06 s, and one quick policy (ballast, budget) 1.4-2.9 ms
-# per node on those and the U-Net's and ResNet's blocks.
+# per node on those and the U-Net's and ResNet's blocks (with 2.5 ms, the 555-node GPT-2 asked
+# for 2 s took 2.9 s).
 SOLVE_SECONDS_PER_NODE = 0.0045
 DP_SECONDS_PER_NODE = 0.0013
-QUICK_SECONDS_PER_NODE = 0.0025
+QUICK_SECONDS_PER_NODE = 0.003
 MIN_BLOCK_NODES = 4  # smaller blocks leave nothing to decide inside them: no decomposition
 
 
