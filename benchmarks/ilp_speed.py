@@ -34,14 +34,13 @@ import torch
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.solvers.ilp import (
-    FLAT_MAX_NODES,
-    WARM_SOLVERS,
     blocks_share,
     build_model,
     solve_hierarchical,
     solve_ilp,
     starting_plan,
     warm_plans,
+    warm_solvers,
 )
 from ckptplan.solvers.ilp_lazy import PROOF_WORKERS, search_lazily
 from ckptplan.solvers.ilp_model import COST_SCALE
@@ -94,7 +93,7 @@ def start_overhead(graph: ckptplan.ComputeGraph, budget: int, time_limit: float)
     """The overhead of the plan the ilp's search starts from (``starting_plan``: the ``dp``,
     ``sqrt`` and block-by-block plans, the last with the share of the limit ``solve_ilp`` gives
     it, refined by ``solvers.refine``)."""
-    warm = warm_plans(graph, budget, time_limit, names=("sqrt",) if len(graph.nodes) > FLAT_MAX_NODES else WARM_SOLVERS)
+    warm = warm_plans(graph, budget, time_limit, names=warm_solvers(graph))
     try:
         block_plan = solve_hierarchical(graph, budget, time_limit=time_limit * blocks_share(graph, time_limit), warm=())
     except InfeasibleBudgetError:

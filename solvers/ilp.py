@@ -207,6 +207,12 @@ def least_peak(
     return start_peak, False
 
 
+def warm_solvers(graph: ComputeGraph) -> tuple[str, ...]:
+    """The solvers whose plans ``solve_ilp`` starts from: not ``dp`` above ``FLAT_MAX_NODES``,
+    where it is slow and coarse (see ``solvers.solve_auto``)."""
+    return ("sqrt",) if len(graph.nodes) > FLAT_MAX_NODES else WARM_SOLVERS
+
+
 def warm_plans(
     graph: ComputeGraph, budget_bytes: int, time_limit: float, names: Sequence[str] = WARM_SOLVERS
 ) -> list[Plan]:
@@ -258,9 +264,7 @@ def solve_ilp(
         by_blocks = solve_hierarchical(graph, budget_bytes, time_limit=limit * share, warm=())
     except InfeasibleBudgetError:
         by_blocks = None
-    # dp is slow and coarse on large graphs (see ``solvers.solve_auto``)
-    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit,
-                                                           names=("sqrt",) if large else WARM_SOLVERS)
+    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit, names=warm_solvers(graph))
     if by_blocks is not None:
         warm.append(by_blocks)
     return solve_flat(
