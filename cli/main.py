@@ -130,7 +130,7 @@ SpellOutOpt = Annotated[
     bool,
     typer.Option(
         "--spell-out",
-        help="Run composite kernels as their parts, each a node plans can keep or recompute: attention that takes PyTorch's math kernel (softmax, dropout, matmuls) and, for cpu, dropout's noise and product. More choices; ilp needs more time for them.",
+        help="Run composite kernels as their parts, each a node plans can keep or recompute: attention that takes PyTorch's math kernel (softmax, dropout, matmuls) and, for cpu, dropout as a one-byte mask (a quarter of fp32 noise's bytes) and its product. More choices; ilp needs more time for them.",
     ),
 ]
 TargetOpt = Annotated[

@@ -80,8 +80,10 @@ def profile(
     will run on the machine profiling them.
     ``spell_out``: run composite kernels of the target as their parts, each a node a plan can keep
     or recompute (``profiler.composite``: attention that takes PyTorch's math kernel, and CPU
-    dropout as noise and product), bitwise as the kernels run. More nodes give plans more
-    choices and the solvers more work: at short time limits ``ilp`` then searches less.
+    dropout as a bool mask and a product), bitwise as the kernels run. Spelled-out CPU dropout
+    keeps its one-byte mask for backward, not the kernel's noise in the input's dtype (a quarter
+    of the bytes in fp32). More nodes give plans more choices and the solvers more work: at
+    short time limits ``ilp`` then searches less.
     """
     autocast_name = _autocast_name(autocast)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)

@@ -24,11 +24,16 @@ shows it in torch 2.13)::
 Dropout
 -------
 On CPU, ``at::native::dropout`` (training, 0 < p < 1) computes
-``input * empty_like(input).bernoulli_(1 - p).div_(1 - p)`` and its backward keeps that noise.
-Spelled out as a noise node and a ``mul`` node, a region can start at the product: the noise
-stays saved, as it is anyway, and backward recomputes the product, where recomputing dropout
-whole re-draws the noise (on CPU the dearest part). CUDA's fused ``native_dropout`` is one
-kernel and stays one node.
+``input * empty_like(input).bernoulli_(1 - p).div_(1 - p)`` and its backward keeps that noise in
+the input's dtype: 4 bytes per element in fp32, where CUDA's fused ``native_dropout`` (and
+torch.compile's partitioner on either device) keeps a one-byte mask. Spelled out, dropout is a
+``<name>_mask`` node, which draws the same Bernoulli samples into a boolean mask, and a
+``<name>_mul`` node, ``apply_dropout_mask``, which multiplies by the mask and by the noise's one
+nonzero value (the same bits as ``input * noise``); its backward keeps only the mask. So the
+step keeps a quarter of the bytes per fp32 dropout, and a region can start at the product:
+backward recomputes the product from the saved mask, where recomputing dropout whole re-draws
+the noise (on CPU the dearest part). CUDA's fused ``native_dropout`` is one kernel and stays
+one node.
 """
 
 from __future__ import annotations
@@ -152,8 +157,45 @@ def dropout_noise(input: torch.Tensor, p: float) -> torch.Tensor:
     return torch.empty_like(input).bernoulli_(1 - p).div_(1 - p)
 
 
+def dropout_mask(input: torch.Tensor, p: float) -> torch.Tensor:
+    """Where CPU dropout keeps ``input``: the Bernoulli draws of ``dropout_noise`` as a bool
+    tensor, one byte each. ``bernoulli_`` draws the same stream whatever the tensor's dtype
+    (checked bitwise by ``tests/test_composite.py``), so the draws go straight into the mask."""
+    if torch.compiler.is_compiling():
+        return torch.ops.aten.dropout.default(torch.ones_like(input), p, True).ne(0)
+    return torch.empty_like(input, dtype=torch.bool).bernoulli_(1 - p)
+
+
+def _scale(p: float, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's noise value where it keeps an element, ``1 / (1 - p)`` as its ``div_`` rounds it."""
+    return torch.ones((), dtype=dtype).div_(1 - p)
+
+
+class _ApplyDropoutMask(torch.autograd.Function):
+    """``input * noise`` from the bool mask: ``input * mask`` (``input`` or a zero of its sign)
+    times the kept elements' noise value, one rounding as in ``input * noise``. Backward keeps
+    only the mask and computes mul's own gradient, ``grad * noise``, the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+        ctx.p = p
+        ctx.save_for_backward(mask)
+        return (input * mask).mul_(_scale(p, input.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (mask,) = ctx.saved_tensors
+        return (grad * mask).mul_(_scale(ctx.p, grad.dtype)), None, None
+
+
+def apply_dropout_mask(input: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """CPU dropout's product, ``input * dropout_noise(input, p)``, bitwise, from ``dropout_mask``'s
+    draws; autograd keeps the bool mask instead of the noise."""
+    return _ApplyDropoutMask.apply(input, mask, p)
+
+
 def _spell_out_cpu_dropout(gm: torch.fx.GraphModule) -> int:
-    """Replace each out-of-place training dropout of ``gm`` by ``<name>_noise`` and
+    """Replace each out-of-place training dropout of ``gm`` by ``<name>_mask`` and
     ``<name>_mul`` nodes; returns how many were replaced. In-place dropout stays whole."""
     replaced = 0
     for node in list(gm.graph.nodes):
@@ -166,15 +208,15 @@ def _spell_out_cpu_dropout(gm: torch.fx.GraphModule) -> int:
         inherited = _inherited_meta(node)
         with gm.graph.inserting_before(node):
             x = bound["input"]
-            noise = gm.graph.create_node("call_function", dropout_noise, (x, p), name=f"{node.name}_noise")
-            out = gm.graph.create_node("call_function", _aten.mul.Tensor, (x, noise), name=f"{node.name}_mul")
-        noise.meta.update(inherited)
+            mask = gm.graph.create_node("call_function", dropout_mask, (x, p), name=f"{node.name}_mask")
+            out = gm.graph.create_node("call_function", apply_dropout_mask, (x, mask, p), name=f"{node.name}_mul")
+        mask.meta.update(inherited)
         out.meta.update(inherited)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         replaced += 1
     if replaced:
-        log.info("spelled out %d CPU dropout call(s) as noise and product", replaced)
+        log.info("spelled out %d CPU dropout call(s) as mask and product", replaced)
     return replaced
 
 

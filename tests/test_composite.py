@@ -14,7 +14,7 @@ from torch import nn
 
 import ckptplan
 from ckptplan.cli.main import app
-from ckptplan.profiler.composite import runs_math_kernel
+from ckptplan.profiler.composite import apply_dropout_mask, dropout_mask, runs_math_kernel
 
 
 class Attention(nn.Module):
@@ -61,9 +61,14 @@ def test_attention_and_dropout_run_as_their_parts_with_the_models_gradients(mask
     assert _parts(graph, "attn_softmax") == ["attn_softmax", "attn_softmax_1"]
     assert len(_parts(graph, "attn_bias")) == 2
     assert not any(n.op == "aten.scaled_dot_product_attention.default" for n in graph.nodes)
-    # 2 attention dropouts and 2 residual dropouts, each as noise and product; nothing else random
-    assert sorted(n.name.endswith("_noise") for n in graph.nodes if n.random) == [True] * 4
-    assert len([n for n in graph.nodes if n.name.endswith("_mul")]) == 4
+    # 2 attention dropouts and 2 residual dropouts, each as mask and product; nothing else random
+    assert sorted(n.name.endswith("_mask") for n in graph.nodes if n.random) == [True] * 4
+    products = [n for n in graph.nodes if n.name.endswith("_mul")]
+    assert len(products) == 4
+    # The product keeps the bool mask for backward (one byte an element), not fp32 noise (four).
+    for product in products:
+        mask = graph.index_of[product.name.removesuffix("_mul") + "_mask"]
+        assert graph.saved_bytes(product.index) == graph.new_bytes(mask) == product.output_bytes // 4
     # The parts run the kernel's ops with the kernel's random draws: the same bits.
     result = ckptplan.verify(model, args, ckptplan.make_plan(graph, []), steps=1)
     assert result.gradients_equal and result.max_grad_error == 0.0
@@ -98,13 +103,36 @@ def test_what_stays_whole() -> None:
     args = _inputs()
     # No dropout: the CPU flash kernel runs, saving its output and log-sum-exp; attention stays one node.
     graph = ckptplan.profile(Attention("causal", dropout=0.0), args, spell_out=True)
-    assert not _parts(graph, "attn_") and not _parts(graph, "dropout_noise")
+    assert not _parts(graph, "attn_") and not _parts(graph, "dropout_mask")
     # Planned for CUDA kernels (fused dropout, fused attention): dropout and attention stay whole.
     graph = ckptplan.profile(Attention("causal"), args, target="cuda", spell_out=True)
-    assert not _parts(graph, "attn_") and not any(n.name.endswith("_noise") for n in graph.nodes)
+    assert not _parts(graph, "attn_") and not any(n.name.endswith("_mask") for n in graph.nodes)
     # Under autocast attention stays whole (its inputs are cast once for the whole kernel).
     graph = ckptplan.profile(Attention("causal"), args, autocast=torch.bfloat16, spell_out=True)
     assert not _parts(graph, "attn_") and _parts(graph, "dropout")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_spelled_out_dropout_is_cpu_dropout_bit_for_bit(dtype: torch.dtype) -> None:
+    """``dropout_mask`` draws ``bernoulli_``'s stream straight into a bool tensor, and
+    ``apply_dropout_mask`` multiplies by it and by the kept value: the output and the input's
+    gradient have the bits of ``aten.dropout`` on CPU (zeros' signs included)."""
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+    for p, shape in ((0.1, (4, 128, 128)), (1 / 3, (3, 5, 17, 33)), (0.77, (1_000_003,))):
+        x = torch.randn(shape, dtype=dtype).requires_grad_()
+        grad = torch.randn(shape, dtype=dtype)
+        torch.manual_seed(5)
+        expected = torch.ops.aten.dropout.default(x, p, True)
+        (expected_grad,) = torch.autograd.grad(expected, x, grad)
+        torch.manual_seed(5)
+        mask = dropout_mask(x, p)
+        assert mask.dtype == torch.bool
+        got = apply_dropout_mask(x, mask, p)
+        (got_grad,) = torch.autograd.grad(got, x, grad)
+        assert torch.equal(bits(got), bits(expected)) and torch.equal(bits(got_grad), bits(expected_grad))
 
 
 def test_the_math_kernel_probe_asks_pytorch() -> None:
