@@ -3,7 +3,7 @@ block (HF ``gradient_checkpointing_enable``), every N-th block, a torchtitan-sty
 policy, ``torch.compile``'s min-cut partitioner under ``activation_memory_budget``, and ckptplan's
 solvers at budgets set to those peers' measured peaks.
 
-    python benchmarks/compare.py [--models gpt,unet,resnet,gpt2,bert] [--quick] [--time-limit 6] [--no-write]
+    python benchmarks/compare.py [--models gpt,unet,resnet,gpt2,bert] [--quick] [--time-limit 6] [--spell-out] [--no-write]
 
 Every point is one real CPU training step measured with PyTorch's ``MemTracker``
 (``ckptplan.measure_step``), FLOPs counted with ``FlopCounterMode`` over forward+backward, the
@@ -429,6 +429,7 @@ class Settings:
     solvers: tuple[str, ...] = CKPTPLAN_SOLVERS
     extra_budgets: bool = True  # also 0.8 × the least peer peak and the least sqrt/dp reach
     peer_budgets: int | None = None  # keep only this many of the lowest peer-peak budgets
+    spell_out: bool = False  # profile for ckptplan with composite kernels spelled out (the CLI's --spell-out)
 
 
 def _peer_points(case: Case, work: Workload, ref_grads: dict, settings: Settings) -> list[Point]:
@@ -608,7 +609,8 @@ def run_model(case: Case, settings: Settings) -> ModelResult:
     points += _peer_points(case, work, ref_grads, settings)
 
     log.info("  ckptplan: profiling")
-    graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=host_roofline(), measure_times=True)
+    graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=host_roofline(), measure_times=True,
+                             spell_out=settings.spell_out)
     peer_peaks = [(p.metrics.peak_bytes, f"{p.method}: {p.setting}") for p in points[1:] if p.metrics is not None]
     clusters = _cluster_budgets(peer_peaks)
     budgets = [(peak, "= " + _short_labels(labels)) for peak, labels in clusters][: settings.peer_budgets]
@@ -927,7 +929,9 @@ def _method_paragraphs(settings: Settings, seconds: float, threads: int) -> list
         "measured once. ckptplan prices plans as the CLI's `--costs here` does (`measure_times=True`, "
         "`roofline=ckptplan.measure_roofline()`): each op by its measured time on this CPU, plus the measured fixed "
         "cost of each checkpoint region, of each op inside one and of each kept op (run under a selective policy), "
-        "since that is where the plans run. Each ckptplan row gives the plan's predicted peak and predicted step-time "
+        "since that is where the plans run"
+        + ("; and it profiles as `--spell-out` does (`spell_out=True`). Each" if settings.spell_out else ". Each")
+        + " ckptplan row gives the plan's predicted peak and predicted step-time "
         "ratio (1 + `Plan.prediction.overhead`), to read against the measured ones."
     )
     machine = (
@@ -1102,6 +1106,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="seconds for ckptplan's ilp and auto solvers (default 6; 1 with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per point (default 5; 1 with --quick)")
     parser.add_argument("--no-write", action="store_true", help="print the section; write no file or plot")
+    parser.add_argument("--spell-out", action="store_true",
+                        help="profile for ckptplan as --spell-out does: CPU dropout as a one-byte mask and its "
+                             "product, math-kernel attention as its ops (off by default: see RESULTS.md)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: on this shared 2-core machine two OpenMP threads "
                              "made a GPT step 20x slower and the timings erratic)")
@@ -1123,6 +1130,7 @@ def settings_for(options: argparse.Namespace) -> tuple[list[str], Settings]:
         settings.time_limit = options.time_limit
     if options.repeats is not None:
         settings.repeats = max(1, options.repeats)
+    settings.spell_out = options.spell_out
     return models, settings
 
 
