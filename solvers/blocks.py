@@ -226,9 +226,10 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
             except InfeasibleBudgetError as error:
                 least = min(least, error.min_peak_bytes)
         for k in range(POLICY_BUDGETS):
-            if quick and quick_left <= 0:
-                break
-            quick_left -= 1
+            if quick:
+                if quick_left <= 0:
+                    break
+                quick_left -= 1
             budget = least + (top - least) * k // POLICY_BUDGETS
             warm = [p for p in starts if p.prediction.peak_bytes <= budget]
             warm += warm_plans(sub, budget, slot)

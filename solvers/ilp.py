@@ -10,7 +10,8 @@ search again with CP-SAT's parallel portfolio, which proves the plan optimal or 
 one. On graphs of repeated blocks, given time for a proof, the proof phase starts at once from
 the block-by-block plan (``solvers.blocks``) instead. The ``sqrt`` and ``dp`` plans warm-start
 the search (as hints when they are one-level, after ``solvers.refine`` has added or shed keeps
-on them) and stay candidates: a time-limited solve never returns anything worse than them. Every plan is simulated before it is taken.
+on them) and stay candidates: a time-limited solve never returns anything worse than them.
+Every plan is simulated before it is taken.
 """
 
 from __future__ import annotations
@@ -390,11 +391,9 @@ def solve_flat(
         how = (f"no CP-SAT search: too little time to build its model (about {build_seconds:.1f} s, twice), "
                "so the refined warm plan")
     elif proof_only and start is not None:
-        found = search_lazily(graph, budget_bytes, start, seconds=max(0.1, last - time.perf_counter()),
-                              workers=PROOF_WORKERS, seed=seed, window=window, announce=announce)
-        status, regions, bound = found.status, found.regions, found.bound
-        if regions != start:  # strictly cheaper
-            regions = simplify(graph, regions, budget_bytes)
+        found, regions = _proof_phase(graph, budget_bytes, start, seconds=max(0.1, last - time.perf_counter()),
+                                      seed=seed, window=window, bound=0.0, announce=announce)
+        status, bound = found.status, found.bound
         blocks_note = next((f" ({p.solver.note})" for p in warm if _origin(p) == HIERARCHICAL), "")
         how = f"proof phase on the whole graph from the cheapest warm plan{blocks_note}: {found.describe()}"
     else:
@@ -404,10 +403,8 @@ def solve_flat(
         how = f"search: {found.describe()}"
         left = last - time.perf_counter()
         if status == "FEASIBLE" and not stopped.is_set() and left >= MIN_PROOF_SECONDS:
-            proof = search_lazily(graph, budget_bytes, regions, seconds=left, workers=PROOF_WORKERS, seed=seed,
-                                  window=window, bound=bound, announce=announce)
-            if proof.regions != regions:  # strictly cheaper: the reproducible search's plan stands otherwise
-                regions = simplify(graph, proof.regions, budget_bytes)
+            proof, regions = _proof_phase(graph, budget_bytes, regions, seconds=left, seed=seed, window=window,
+                                          bound=bound, announce=announce)
             if proof.status == "OPTIMAL":
                 status = "OPTIMAL"
             bound = max(bound, proof.bound)
@@ -457,6 +454,27 @@ def solve_flat(
     return plan.model_copy(update={"solver": SolverInfo(
         name="ilp", status="optimal" if status == "OPTIMAL" else "feasible", seconds=time.perf_counter() - started,
         gap=gap, note=note)})
+
+
+def _proof_phase(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    regions: tuple[Region, ...],
+    *,
+    seconds: float,
+    seed: int,
+    window: int | None,
+    bound: float,
+    announce: bool,
+) -> tuple[LazyResult, tuple[Region, ...]]:
+    """The lazy search with CP-SAT's portfolio (``PROOF_WORKERS``) from ``regions`` for
+    ``seconds``: its result, and the plan it ends with (``regions`` unless it found a strictly
+    cheaper one, which is simplified)."""
+    proof = search_lazily(graph, budget_bytes, regions, seconds=seconds, workers=PROOF_WORKERS, seed=seed,
+                          window=window, bound=bound, announce=announce)
+    if proof.regions == regions:
+        return proof, regions
+    return proof, simplify(graph, proof.regions, budget_bytes)
 
 
 def _search(
