@@ -10,7 +10,7 @@ plan, which is also shown alone (given the whole limit; ``ilp`` gives it a quart
 the proof phase follows it at once: limits of 34 s and up, ``ilp.proof_follows``); "start" is
 the plan the search starts from (the cheapest of those, refined by ``solvers.refine``); "gap" is
 CP-SAT's proven relative gap (1.0: no lower bound better than zero was proven), "proof phase"
-what the proof phase (``solvers.ilp_lazy`` with 8 workers) needed of the memory rows it leaves
+what the proof phase (``solvers.ilp_lazy``, ``proof_workers()`` workers) needed of the memory rows it leaves
 out (absent when the reproducible search proved the plan itself). Prints a Markdown table.
 
 ``--limits 2,6,15``: instead, ``ilp`` at each of those time limits: the seconds it took against
@@ -42,7 +42,7 @@ from ckptplan.solvers.ilp import (
     warm_plans,
     warm_solvers,
 )
-from ckptplan.solvers.ilp_lazy import PROOF_WORKERS, search_lazily
+from ckptplan.solvers.ilp_lazy import proof_workers, search_lazily
 from ckptplan.solvers.ilp_model import COST_SCALE
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -117,7 +117,7 @@ def proof_only(graphs: dict[str, ckptplan.ComputeGraph], time_limit: float) -> N
             if start is None or any(region.children for region in start.regions):
                 start = ckptplan.solve(graph, budget, solver="sqrt")
             origin = "sqrt" if start.solver.name == "sqrt" else "block by block"
-            proof = search_lazily(graph, budget, start.regions, seconds=time_limit, workers=PROOF_WORKERS,
+            proof = search_lazily(graph, budget, start.regions, seconds=time_limit, workers=proof_workers(),
                                   announce=False)
             gap = 0.0 if proof.cost <= 0 else (proof.cost - proof.bound) / proof.cost
             print(f"| {name} | {len(graph.nodes)} | {fraction:.0%} | {origin} | {start.prediction.overhead:.3f} | "

@@ -36,7 +36,7 @@ from ckptplan.solvers.cpsat import (
     solve_interruptibly,
     stopped,
 )
-from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, PROOF_WORKERS, LazyResult, search_lazily
+from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, LazyResult, proof_workers, search_lazily
 from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, build_model, region_window
 from ckptplan.solvers.refine import Moves, add_keeps, shed_keeps, simplify
 from ckptplan.solvers.registry import get_solver, register
@@ -69,8 +69,8 @@ FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by blo
 PROOF_MAX_NODES = 1_200
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
 HIERARCHICAL_SHARE = 0.25  # of the time limit, without a proof phase to follow: the block-by-block warm start
-# The proof phase (``ilp_lazy`` with ``PROOF_WORKERS``) runs on the time the reproducible search leaves,
-# if at least this much: CP-SAT's portfolio of 8 workers needs seconds to start raising its bound
+# The proof phase (``ilp_lazy`` with ``proof_workers()``) runs on the time the reproducible search leaves,
+# if at least this much: CP-SAT's portfolio needs seconds to start raising its bound
 # (and short solves, as in tests and block policies, end without one).
 MIN_PROOF_SECONDS = 10.0
 PROOF_SHARE = 0.3  # of the time limit, kept for the proof phase when that is MIN_PROOF_SECONDS or more
@@ -354,7 +354,7 @@ def solve_flat(
     (``ilp_lazy.search_lazily`` with ``workers``, then ``improve_locally``), and sets its
     deterministic clock; ``deadline`` (a ``time.perf_counter()`` value), the end of the caller's
     own limit, can end that search sooner on the wall clock, and the proof phase (the same
-    search with ``PROOF_WORKERS``) runs until it (the caller's time not spent before this call).
+    search with ``proof_workers()``) runs until it (the caller's time not spent before this call).
     With ``workers=1`` (the default) and a fixed ``seed`` the search is reproducible (see
     ``configure``); more workers usually find cheaper plans in the same time. Status:
     ``optimal`` (proven for this plan space), ``feasible`` with the proven relative gap, or
@@ -467,10 +467,10 @@ def _proof_phase(
     bound: float,
     announce: bool,
 ) -> tuple[LazyResult, tuple[Region, ...]]:
-    """The lazy search with CP-SAT's portfolio (``PROOF_WORKERS``) from ``regions`` for
+    """The lazy search with CP-SAT's portfolio (``proof_workers()``) from ``regions`` for
     ``seconds``: its result, and the plan it ends with (``regions`` unless it found a strictly
     cheaper one, which is simplified)."""
-    proof = search_lazily(graph, budget_bytes, regions, seconds=seconds, workers=PROOF_WORKERS, seed=seed,
+    proof = search_lazily(graph, budget_bytes, regions, seconds=seconds, workers=proof_workers(), seed=seed,
                           window=window, bound=bound, announce=announce)
     if proof.regions == regions:
         return proof, regions

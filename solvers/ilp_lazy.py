@@ -15,17 +15,18 @@ same way.
 
 Two uses, one loop: with one worker on CP-SAT's deterministic clock (the callback's decisions
 depend only on the plans, which one worker finds in a fixed order) the search is reproducible;
-with ``PROOF_WORKERS``, CP-SAT's portfolio, whose LP- and core-based workers raise the lower
-bound, it is the proof phase. Measured with ``benchmarks/ilp_speed.py --proof-only`` (8 workers,
-2 cores, from the block-by-block plan): the U-Net, ResNet, GPT example and a two-layer GPT-2, at
-70% and 50% of their peaks, proven optimal in 6-40 s each; on the whole model the GPT example
-never got a bound above zero in 60 s.
+with ``proof_workers()``, a CP-SAT portfolio whose LP-based workers raise the lower bound, it is
+the proof phase. Measured with ``benchmarks/ilp_speed.py --proof-only`` (2 cores, from the
+block-by-block plan): the U-Net, ResNet, GPT example and a two-layer GPT-2, at 70% and 50% of
+their peaks, proven optimal in seconds each (``benchmarks/RESULTS.md``); on the whole model
+without row generation the GPT example never got a bound above zero in 60 s.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -33,8 +34,9 @@ from ortools.sat.python import cp_model
 
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Region
-from ckptplan.simulation import simulate
+from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.cpsat import (
+    FULL_PORTFOLIO_WORKERS,
     MIN_WALL_SECONDS,
     configure,
     extract_regions,
@@ -47,7 +49,14 @@ from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses
 log = logging.getLogger(__name__)
 
 DEFERRED_PHASES = frozenset({"backward", "recompute"})
-PROOF_WORKERS = 8
+PROOF_WORKERS = 3  # the proof phase's workers on fewer cores than FULL_PORTFOLIO_WORKERS
+# Deferred rows stated up front: those of the events where the start plan holds the most bytes.
+# At a budget that binds, the search's first plans break rows near the start plan's peak, and
+# each round that then restarts pays a presolve again (5 s on the 309-node GPT-2, 13 s on the
+# 555-node one). ilp_speed --proof-only at 50%: the transformers' one added row was the start
+# plan's fullest event, the U-Net's five among its 13 fullest; with 8 stated up front the
+# ResNet, GPT example and two-layer GPT-2 were proven in one round.
+SEEDED_ROWS = 8
 MIN_CLOCK_SECONDS = 0.01  # a deterministic clock with less left than this ends the search
 
 
@@ -58,7 +67,7 @@ class LazyResult:
     in time). ``regions`` is the cheapest plan the simulator accepted (the one given unless a
     strictly cheaper one was found), ``cost`` its simulated cost and ``bound`` a proven lower
     bound on every plan's, in ``COST_SCALE`` units. ``rows`` counts the event rows added of the
-    ``deferred`` left out, over ``rounds`` CP-SAT runs; ``variables`` and ``constraints`` size the
+    ``deferred`` left out, over ``rounds`` CP-SAT runs, ``seeded`` of them before the first; ``variables`` and ``constraints`` size the
     final model; ``build_seconds`` is what building the first took."""
 
     status: str
@@ -68,6 +77,7 @@ class LazyResult:
     rounds: int
     rows: int
     deferred: int
+    seeded: int
     variables: int
     constraints: int
     seconds: float
@@ -76,7 +86,25 @@ class LazyResult:
     def describe(self) -> str:
         if not self.deferred:
             return f"the whole model, {self.rounds} round(s)"
-        return f"{self.rows} of {self.deferred} backward and recompute memory rows needed, {self.rounds} round(s)"
+        return (f"{self.rows} of {self.deferred} backward and recompute memory rows needed "
+                f"({self.seeded} stated up front), {self.rounds} round(s)")
+
+
+def proof_workers() -> int:
+    """The proof phase's CP-SAT workers: one per core where CP-SAT's own portfolio fits
+    (``cpsat.FULL_PORTFOLIO_WORKERS`` cores or more), else ``PROOF_WORKERS``, which
+    ``cpsat.configure`` gives its LP workers."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores if cores >= FULL_PORTFOLIO_WORKERS else PROOF_WORKERS
+
+
+def _seed_rows(model: cp_model.CpModel, v: IlpVars, start: Report, count: int) -> int:
+    """Add the deferred rows of the ``count`` events where the ``start`` plan holds the most
+    bytes (ties in execution order); returns how many were added."""
+    fullest = sorted((e for e in start.timeline if (e.phase, e.node) in v.deferred),
+                     key=lambda e: -e.live_bytes)[:count]
+    add_events(model, v, [(e.phase, e.node) for e in fullest])
+    return len(fullest)
 
 
 class _Watcher(cp_model.CpSolverSolutionCallback):
@@ -116,13 +144,15 @@ def search_lazily(
     bound: float = 0.0,
     announce: bool = True,
     deferred_phases: frozenset[str] = DEFERRED_PHASES,
+    seeded_rows: int = SEEDED_ROWS,
 ) -> LazyResult:
     """The cheapest one-level plan within ``budget_bytes`` the search finds in ``seconds``,
     starting from ``regions`` (a plan that fits, or None). With one worker the rounds share
     ``deterministic_seconds`` of CP-SAT's clock and the result is reproducible (see
     ``cpsat.configure``). ``bound``: a lower bound already proven. ``deferred_phases``: the
-    phases whose rows wait for a plan to break them (none: one search on the whole model).
-    Ctrl-C ends the search with the best plan so far."""
+    phases whose rows wait for a plan to break them (none: one search on the whole model);
+    ``seeded_rows``: how many of them join at once, those of the events where ``regions`` holds
+    the most bytes. Ctrl-C ends the search with the best plan so far."""
     started = time.perf_counter()
     deadline = started + seconds
     model, v = build_model(graph, budget_bytes, window=window, deferred_phases=deferred_phases)
@@ -131,7 +161,11 @@ def search_lazily(
     model.Minimize(v.cost)
     build_seconds = time.perf_counter() - started
     deferred = len(v.deferred)
-    best, best_cost = regions, math.inf if regions is None else simulate(graph, regions).cost_seconds
+    best, best_cost, seeded = regions, math.inf, 0
+    if regions is not None:
+        report = simulate(graph, regions)
+        best_cost = report.cost_seconds
+        seeded = _seed_rows(model, v, report, seeded_rows)
     # The model rounds each node's cost to a whole COST_SCALE unit: its objective for a plan may
     # fall short of the simulated cost by half a unit per term (recomputed, start, rec, keep: at
     # most four per node).
@@ -188,6 +222,6 @@ def search_lazily(
     proto = model.Proto()
     return LazyResult(
         status=status, regions=best, cost=cost, bound=min(bound, cost), rounds=rounds, rows=deferred - len(v.deferred),
-        deferred=deferred, variables=len(proto.variables), constraints=len(proto.constraints),
+        deferred=deferred, seeded=seeded, variables=len(proto.variables), constraints=len(proto.constraints),
         seconds=time.perf_counter() - started, build_seconds=build_seconds,
     )
