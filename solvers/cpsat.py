@@ -17,8 +17,9 @@ MIN_WALL_SECONDS = 1.0  # the wall-clock backup of even the shortest search
 # one worker per core). Below it, a portfolio's full-problem workers are only ``LP_SUBSOLVERS``,
 # the two that raised the lower bound in every proof logged here (CP-SAT's LP with cuts and
 # symmetry, and its reduced-cost fixing), beside CP-SAT's first-solution and neighbourhood
-# workers: on 2 cores, 3 such workers proved the U-Net, ResNet, GPT example and two-layer GPT-2
-# at 50% in 4-24 s where CP-SAT's 8-worker portfolio took 12-35 s (``ilp_speed.py --proof-only``).
+# workers. On 2 cores ``ilp_speed.py --proof-only`` proved the U-Net, ResNet, GPT example and
+# two-layer GPT-2 rows with 3 such workers (and ``ilp_lazy.SEEDED_ROWS``) in 2.4-11.4 s, where
+# CP-SAT's 8-worker portfolio took 5.7-40.0 s (``benchmarks/RESULTS.md``).
 FULL_PORTFOLIO_WORKERS = 8
 LP_SUBSOLVERS = ("max_lp_sym", "reduced_costs")
 

@@ -67,8 +67,9 @@ class LazyResult:
     in time). ``regions`` is the cheapest plan the simulator accepted (the one given unless a
     strictly cheaper one was found), ``cost`` its simulated cost and ``bound`` a proven lower
     bound on every plan's, in ``COST_SCALE`` units. ``rows`` counts the event rows added of the
-    ``deferred`` left out, over ``rounds`` CP-SAT runs, ``seeded`` of them before the first; ``variables`` and ``constraints`` size the
-    final model; ``build_seconds`` is what building the first took."""
+    ``deferred`` left out, over ``rounds`` CP-SAT runs, ``seeded`` of them before the first;
+    ``variables`` and ``constraints`` size the final model; ``build_seconds`` is what building
+    the first took."""
 
     status: str
     regions: tuple[Region, ...] | None
@@ -101,9 +102,9 @@ def proof_workers() -> int:
 def _seed_rows(model: cp_model.CpModel, v: IlpVars, start: Report, count: int) -> int:
     """Add the deferred rows of the ``count`` events where the ``start`` plan holds the most
     bytes (ties in execution order); returns how many were added."""
-    fullest = sorted((e for e in start.timeline if (e.phase, e.node) in v.deferred),
-                     key=lambda e: -e.live_bytes)[:count]
-    add_events(model, v, [(e.phase, e.node) for e in fullest])
+    by_bytes = sorted(start.timeline, key=lambda e: -e.live_bytes)
+    fullest = list(dict.fromkeys((e.phase, e.node) for e in by_bytes if (e.phase, e.node) in v.deferred))[:count]
+    add_events(model, v, fullest)
     return len(fullest)
 
 
