@@ -11,8 +11,8 @@ median step time as a ratio to the no-checkpoint run in the same process, and gr
 with the no-checkpoint run (same seed before every step). The result regenerates the section of
 ``benchmarks/RESULTS.md`` between ``<!-- compare:begin -->`` and ``<!-- compare:end -->`` and the
 plots ``benchmarks/plots/compare_<model>.png``; ``--no-write`` prints the section instead.
-``torch.compile``'s ``ilp`` knapsack solver needs ``scipy`` (``pip install scipy``); without it
-those rows say so.
+It needs the ``bench`` extra (``pip install -e ".[bench]"``): ``torch.compile``'s ``ilp``
+knapsack solver needs ``scipy``, and without it those rows say so.
 """
 
 from __future__ import annotations
