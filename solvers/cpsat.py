@@ -14,14 +14,16 @@ from ckptplan.solvers.ilp_model import IlpVars
 
 MIN_WALL_SECONDS = 1.0  # the wall-clock backup of even the shortest search
 # From this many workers on, CP-SAT runs its own portfolio (what its documentation recommends:
-# one worker per core). Below it, a portfolio's full-problem workers are only ``LP_SUBSOLVERS``,
-# the two that raised the lower bound in every proof logged here (CP-SAT's LP with cuts and
-# symmetry, and its reduced-cost fixing), beside CP-SAT's first-solution and neighbourhood
-# workers. On 2 cores ``ilp_speed.py --proof-only`` proved the U-Net, ResNet, GPT example and
-# two-layer GPT-2 rows with 3 such workers (and ``ilp_lazy.SEEDED_ROWS``) in 2.4-11.4 s, where
-# CP-SAT's 8-worker portfolio took 5.7-40.0 s (``benchmarks/RESULTS.md``).
+# one worker per core). Below it, a portfolio's full-problem workers are only
+# ``BOUND_SUBSOLVERS``, beside CP-SAT's first-solution and neighbourhood workers: its LP with cuts
+# and symmetry, which raised the lower bound in every proof logged here, and its tree search on
+# the LP bound, which closed the proofs where the LP bound stalls (555-node GPT-2 at 70%: bound
+# stuck 8% short for 150 s with reduced-cost fixing as the second worker, proven in 38 s with
+# the tree search; ``ilp_speed.py --proof-only``, 2 cores, 3 workers; CP-SAT's default 8-worker
+# portfolio took 5.7-40.0 s on the smaller rows that 3 such workers prove in 2-10 s, see
+# ``benchmarks/RESULTS.md``).
 FULL_PORTFOLIO_WORKERS = 8
-LP_SUBSOLVERS = ("max_lp_sym", "reduced_costs")
+BOUND_SUBSOLVERS = ("max_lp_sym", "lb_tree_search")
 
 
 def extract_regions(graph: ComputeGraph, v: IlpVars, value) -> tuple[Region, ...]:
@@ -144,13 +146,13 @@ def configure(
     were *asked* to take (never of what is left, which depends on the machine's load), and the
     wall-clock limit only backs it up (at least ``MIN_WALL_SECONDS``, so that a short search on a
     loaded machine still ends on its deterministic clock). More workers search better but not
-    reproducibly; fewer than ``FULL_PORTFOLIO_WORKERS`` run ``LP_SUBSOLVERS`` as their full-problem
+    reproducibly; fewer than ``FULL_PORTFOLIO_WORKERS`` run ``BOUND_SUBSOLVERS`` as their full-problem
     workers."""
     solver.parameters.max_time_in_seconds = max(MIN_WALL_SECONDS, wall_seconds)
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
     if 1 < workers < FULL_PORTFOLIO_WORKERS:
-        solver.parameters.subsolvers.extend(LP_SUBSOLVERS)
+        solver.parameters.subsolvers.extend(BOUND_SUBSOLVERS)
     if workers == 1:
         solver.parameters.max_deterministic_time = max(0.01, deterministic_seconds)
 

@@ -94,7 +94,7 @@ class LazyResult:
 def proof_workers() -> int:
     """The proof phase's CP-SAT workers: one per core where CP-SAT's own portfolio fits
     (``cpsat.FULL_PORTFOLIO_WORKERS`` cores or more), else ``PROOF_WORKERS``, which
-    ``cpsat.configure`` gives its LP workers."""
+    ``cpsat.configure`` gives its bound-raising workers (``BOUND_SUBSOLVERS``)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return cores if cores >= FULL_PORTFOLIO_WORKERS else PROOF_WORKERS
 
