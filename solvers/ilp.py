@@ -63,8 +63,8 @@ REFINE_MIN_SECONDS = 0.02
 SIMULATE_SECONDS_PER_NODE = 15e-6
 FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
 # Up to this many nodes, the proof phase runs on the whole graph after the block-by-block plan when
-# the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 70% of its peak, 60 s, gap 0.05 at
-# 12 layers (555 nodes, 229k variables, 5 s to build), 0.13 at 23 (1,006 nodes, 444k, 8 s).
+# the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 70% of its peak, 60 s: proven in
+# 58 s at 12 layers (555 nodes, 229k variables, 5 s to build), gap 0.07 at 23 (1,006 nodes, 444k, 8 s).
 # Beyond, the model alone takes most of a minute to build (GPT-3's 5,147 nodes).
 PROOF_MAX_NODES = 1_200
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
