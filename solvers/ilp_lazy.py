@@ -53,9 +53,9 @@ PROOF_WORKERS = 3  # the proof phase's workers on fewer cores than FULL_PORTFOLI
 # Deferred rows stated up front: those of the events where the start plan holds the most bytes.
 # At a budget that binds, the search's first plans break rows near the start plan's peak, and
 # each round that then restarts pays a presolve again (5 s on the 309-node GPT-2, 13 s on the
-# 555-node one). ilp_speed --proof-only at 50%: the transformers' one added row was the start
-# plan's fullest event, the U-Net's five among its 13 fullest; with 8 stated up front the
-# ResNet, GPT example and two-layer GPT-2 were proven in one round.
+# 555-node one). The transformers' one added row had been the start plan's fullest event, the
+# U-Net's five among its 13 fullest; with 8 stated up front ``ilp_speed.py --proof-only`` proves
+# the GPT example and the two-layer GPT-2 in one round at 70% and 50% (``benchmarks/RESULTS.md``).
 SEEDED_ROWS = 8
 MIN_CLOCK_SECONDS = 0.01  # a deterministic clock with less left than this ends the search
 
