@@ -99,12 +99,12 @@ def proof_workers() -> int:
     return cores if cores >= FULL_PORTFOLIO_WORKERS else PROOF_WORKERS
 
 
-def _seed_rows(model: cp_model.CpModel, v: IlpVars, start: Report, count: int) -> int:
+def _seed_rows(v: IlpVars, start: Report, count: int) -> int:
     """Add the deferred rows of the ``count`` events where the ``start`` plan holds the most
     bytes (ties in execution order); returns how many were added."""
     by_bytes = sorted(start.timeline, key=lambda e: -e.live_bytes)
     fullest = list(dict.fromkeys((e.phase, e.node) for e in by_bytes if (e.phase, e.node) in v.deferred))[:count]
-    add_events(model, v, fullest)
+    add_events(v, fullest)
     return len(fullest)
 
 
@@ -166,7 +166,7 @@ def search_lazily(
     if regions is not None:
         report = simulate(graph, regions)
         best_cost = report.cost_seconds
-        seeded = _seed_rows(model, v, report, seeded_rows)
+        seeded = _seed_rows(v, report, seeded_rows)
     # The model rounds each node's cost to a whole COST_SCALE unit: its objective for a plan may
     # fall short of the simulated cost by half a unit per term (recomputed, start, rec, keep: at
     # most four per node).
@@ -216,7 +216,7 @@ def search_lazily(
             break
         if not watcher.violated:  # out of time, or a plan the simulator rejects on rows already in
             break
-        add_events(model, v, sorted(watcher.violated))
+        add_events(v, sorted(watcher.violated))
     if status == "UNKNOWN" and best is not None:
         status = "FEASIBLE"
     cost = best_cost * COST_SCALE

@@ -45,6 +45,10 @@ Derived families (each defined by constraints next to where it is created):
 * ``cachelive_{s}_{j}_{t}`` — kept node j's cached s is live while its region's recompute runs
   t; ``savedin_{s}_{j}``: a node of j's region saves s (then ``alive`` counts it instead),
   ``savedby_{s}_{j}_{jp}``: node jp, in j's region, saves it.
+* ``copy``, ``rc`` and ``cachelive`` are made with the one memory row that reads them, so a
+  model built without that row (``build_model``'s ``deferred_phases``) lacks them until
+  ``add_events`` adds it (they are the largest families after ``alive`` and ``same``, and
+  CP-SAT's presolve would only remove them again).
 * ``recomputed_{t}`` — node t is recomputed (in a region that is recomputed, before its early
   stop, not kept): what the objective pays for, with the machinery's cost (``_machinery_cost``:
   per ``start``, ``rec`` and ``keep``). ``IlpVars.bounding_clauses``: redundant
@@ -61,7 +65,7 @@ when t's region starts recomputing (everything but the recompute's own tensors).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
@@ -70,6 +74,8 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.sharding import unit_edges
 from ckptplan.simulation import gradient_bytes, later_inplace_writer, made_at_early_stop
 
+# A memory row: ``live <= peak`` when every literal of ``enforce`` holds.
+Row = tuple[cp_model.LinearExprT, list]
 COST_SCALE = 2.0**40  # integer cost units per second (synthetic test costs are exact multiples)
 DEFAULT_WINDOW = 128  # longest region, in nodes, the model considers on graphs longer than this
 
@@ -86,8 +92,10 @@ class IlpVars:
     window: int
     counts: dict[str, int] = field(default_factory=dict)
     bounding_clauses: list[tuple[cp_model.IntVar, cp_model.IntVar]] = field(default_factory=list)
-    # Memory rows left out of the model, by event (``build_model``'s ``deferred_phases``).
-    deferred: dict[tuple[str, int], tuple[cp_model.LinearExprT, list]] = field(default_factory=dict)
+    # Memory rows left out of the model, by event (``build_model``'s ``deferred_phases``): each
+    # adds its row to the model when called, with the variables only that row reads (``copy``,
+    # ``rc``, ``cachelive``), so a model without the row lacks them too.
+    deferred: dict[tuple[str, int], Callable[[], None]] = field(default_factory=dict)
 
 
 class _Builder:
@@ -113,6 +121,10 @@ class _Builder:
         for node in graph.nodes:
             for s in node.outputs:
                 self._alias_nodes[s].append(node.index)
+        self.by_producer: dict[int, list[int]] = defaultdict(list)  # dynamic storages by producing node
+        for s in self.dynamic:
+            if graph.storages[s].producer >= 0:
+                self.by_producer[graph.storages[s].producer].append(s)
         self.false = self.m.NewConstant(0)
         self.true = self.m.NewConstant(1)
         self.upper = self._upper_bytes()
@@ -121,7 +133,7 @@ class _Builder:
         self._same: dict[tuple[int, int], cp_model.IntVar] = {}
         self.alive_needs: dict[int, list[tuple[int, list]]] = defaultdict(list)
         self.deferred_phases = deferred_phases
-        self.deferred: dict[tuple[str, int], tuple[cp_model.LinearExprT, list]] = {}
+        self.deferred: dict[tuple[str, int], Callable[[], None]] = {}
 
     def _upper_bytes(self) -> int:
         """More than any event can hold: every storage, gradients and temporaries at once."""
@@ -130,14 +142,20 @@ class _Builder:
         work = max((node.fwd_workspace_bytes for node in self.g.nodes), default=0)
         return self.resident + 2 * dynamic + grads + work
 
-    def event(self, key: tuple[str, int], live: cp_model.LinearExprT, enforce: list | None = None) -> None:
-        """The memory row of one simulator event (``phase``, node): ``live <= peak`` when all of
-        ``enforce`` hold. Rows of the phases in ``self.deferred_phases`` are kept aside in
-        ``self.deferred`` for ``add_events``."""
+    def event(self, key: tuple[str, int], row: Callable[[], Row]) -> None:
+        """The memory row of one simulator event (``phase``, node), made by ``row``. Rows of the
+        phases in ``self.deferred_phases`` are kept aside, unmade, in ``self.deferred`` for
+        ``add_events``."""
         if key[0] in self.deferred_phases:
-            self.deferred[key] = (live, enforce or [])
+            self.deferred[key] = lambda: self.add_row(row())
         else:
-            _add_row(self.m, self.peak, live, enforce or [])
+            self.add_row(row())
+
+    def add_row(self, row: Row) -> None:
+        live, enforce = row
+        added = self.m.Add(live <= self.peak)
+        if enforce:
+            added.OnlyEnforceIf(enforce)
 
     def implies(self, literals: list, var: cp_model.IntVar) -> None:
         """All ``literals`` true => ``var`` true, as one clause (CP-SAT propagates these best)."""
@@ -363,7 +381,8 @@ class _Builder:
         for i in range(self.n):
             program += sum(g.storages[s].nbytes for s in starts_at[i])
             live = self.resident + program + g.nodes[i].fwd_workspace_bytes
-            self.event(("forward", i), live + sum(retained))
+            row = (live + sum(retained), [])
+            self.event(("forward", i), lambda row=row: row)
             for s in retired_after[i]:
                 program -= g.storages[s].nbytes
                 retained.append(g.storages[s].nbytes * self.held[s])
@@ -381,33 +400,30 @@ class _Builder:
                 terms.append(self.g.storages[s].nbytes * var)
         return terms
 
-    def copies(self) -> None:
-        """``copy_{s}_{i}``: s was recomputed in i's region and a saver at or before i holds it."""
-        m, g, W = self.m, self.g, self.W
-        self.copy_terms: dict[int, list] = defaultdict(list)
-        for s in self.dynamic:
-            storage = g.storages[s]
-            p = storage.producer
-            savers = [j for j in self.savers.get(s, ()) if j >= p and j - p < W]
-            if p < 0 or not savers:
-                continue
-            fresh = self._keep_var(p).Not()
-            for i in range(savers[0], min(self.n, p + W)):
-                if i not in self.runs_backward:
-                    continue
-                var = m.NewBoolVar(f"copy_{s}_{i}")
-                self.implies([fresh, self.same(p, i), self.trigafter[i]], var)
-                self.copy_terms[i].append(storage.nbytes * var)
-
     def backward_events(self) -> None:
         for i in self.base.runs:
-            live = self.resident + self.base.during[i]
-            self.event(("backward", i), live + sum(self.held_originals(i)) + sum(self.copy_terms.get(i, [])))
+            self.event(("backward", i), lambda i=i: (
+                self.resident + self.base.during[i] + sum(self.held_originals(i)) + sum(self._copy_terms(i)), []))
+
+    def _copy_terms(self, i: int) -> list:
+        """Terms for ``copy_{s}_{i}``, made here (only backward event i reads them): s was
+        recomputed in i's region and a saver at or before i holds it."""
+        m, g, W = self.m, self.g, self.W
+        terms = []
+        for p in range(max(0, i - W + 1), i + 1):
+            for s in self.by_producer.get(p, ()):
+                savers = [j for j in self.savers.get(s, ()) if j >= p and j - p < W]
+                if not savers or i < savers[0]:
+                    continue
+                var = m.NewBoolVar(f"copy_{s}_{i}")
+                self.implies([self._keep_var(p).Not(), self.same(p, i), self.trigafter[i]], var)
+                terms.append(g.storages[s].nbytes * var)
+        return terms
 
     def recompute_events(self) -> None:
         """Each region's recompute runs its nodes from the start to the early stop, while backward
         holds what it held just before the region's last trigger."""
-        m, g, n, W = self.m, self.g, self.n, self.W
+        m, n = self.m, self.n
         self.trigger_bytes = [m.NewIntVar(0, self.upper, f"trigger_bytes_{t}") for t in range(n)]
         for i, lt in self.last_trig.items():
             terms = self.held_originals(i)
@@ -415,26 +431,44 @@ class _Builder:
         for t in range(1, n):
             m.Add(self.trigger_bytes[t] >= self.trigger_bytes[t - 1]).OnlyEnforceIf(self.cont[t])
             m.Add(self.trigger_bytes[t - 1] >= self.trigger_bytes[t]).OnlyEnforceIf(self.cont[t])
-        users_of = self._storage_users()
-        rc_terms: dict[int, list] = defaultdict(list)
-        for s in self.dynamic:
-            storage = g.storages[s]
-            p = storage.producer
-            if p < 0:
+        self.users_of = self._storage_users()
+        self.saved_in = self._saved_in_region()
+        for t in range(n):
+            self.event(("recompute", t), lambda t=t: self._recompute_row(t))
+
+    def _recompute_row(self, t: int) -> Row:
+        """The recompute running node t: the bytes held at its region's last trigger, the
+        recomputed copies and kept caches live at t (``_rc_terms``, ``_cachelive_terms``) and
+        t's workspace unless t is kept."""
+        work = self.g.nodes[t].fwd_workspace_bytes
+        live = self.resident + self.trigger_bytes[t] + sum(self._rc_terms(t)) + sum(self._cachelive_terms(t))
+        if work:
+            live += work - work * self._keep_var(t)
+        return live, [self.rec[t], self.stopafter[t], self.hastrig[t]]
+
+    def _rc_terms(self, t: int) -> list:
+        """Terms for ``rc_{s}_{t}``, made here (only recompute event t reads them): the
+        recomputed copy of s is live while the recompute runs t."""
+        m, g, W = self.m, self.g, self.W
+        terms = []
+        for p in range(max(0, t - W + 1), t + 1):
+            storages = self.by_producer.get(p, ())
+            if not storages:
                 continue
             fresh = self._keep_var(p).Not()
-            made_at_stop = s in made_at_early_stop(g, p)  # exists when p's early stop fires
-            first_saver = min((j for j in self.savers.get(s, ()) if j >= p), default=None)
-            for t in range(p, min(n, p + W)):
+            made_at_stop = made_at_early_stop(g, p)  # what exists when p's early stop fires
+            for s in storages:
+                storage = g.storages[s]
+                first_saver = min((j for j in self.savers.get(s, ()) if j >= p), default=None)
                 reasons = []  # literal lists: all true => rc
                 if t == p:
-                    if made_at_stop:
+                    if s in made_at_stop:
                         reasons.append([fresh, self.rec[p], self.stopafter[p]])
                     else:  # made after p's last save: only if p is not where the recompute stops
                         reasons.append([fresh, self.rec[p], self.next_stop[p]])
                 if first_saver is not None and t >= first_saver:
                     reasons.append([fresh, self.same(p, t), self.stopafter[t]])
-                for u in users_of.get(s, ()):
+                for u in self.users_of.get(s, ()):
                     if t > p and t <= u < p + W:
                         reasons.append([fresh, self.same(p, u), self.stopafter[u]])
                 if storage.cached and t > p:
@@ -445,46 +479,53 @@ class _Builder:
                 var = m.NewBoolVar(f"rc_{s}_{t}")
                 for literals in reasons:
                     self.implies(literals, var)
-                rc_terms[t].append(storage.nbytes * var)
-        self.cached_in_recompute(users_of, rc_terms)
-        for t in range(n):
-            work = g.nodes[t].fwd_workspace_bytes
-            live = self.resident + self.trigger_bytes[t] + sum(rc_terms.get(t, []))
-            if work:
-                live += work - work * self._keep_var(t)
-            self.event(("recompute", t), live, [self.rec[t], self.stopafter[t], self.hastrig[t]])
+                terms.append(storage.nbytes * var)
+        return terms
 
-    def cached_in_recompute(self, users_of: dict[int, list[int]], rc_terms: dict[int, list]) -> None:
-        """``cachelive_{s}_{j}_{t}``: kept node j's cached s is live while its region's recompute
-        runs t: in the cache until j, then while the recompute still reads it. If a node of the
-        region saves it, ``alive`` already counts it in ``trigger_bytes`` (``savedin_{s}_{j}``)."""
-        m, n, W = self.m, self.n, self.W
+    def _saved_in_region(self) -> dict[tuple[int, int], cp_model.IntVar]:
+        """``savedin_{s}_{j}`` by (j, s), for kept node j and each s of its cache: a node of j's
+        region saves s (``savedby_{s}_{j}_{jp}``: node jp does), so ``alive`` counts s there."""
+        m, W = self.m, self.W
+        found = {}
         for j, storages in self.cache.items():
-            kj = self.keep[j]
             for s in storages:
                 pairs = []
                 for jp in self.savers.get(s, ()):
                     if jp >= j and jp - j < W:
                         pair = m.NewBoolVar(f"savedby_{s}_{j}_{jp}")
-                        m.AddImplication(pair, kj)
+                        m.AddImplication(pair, self.keep[j])
                         m.AddImplication(pair, self.same(j, jp))
                         pairs.append(pair)
-                saved_in = m.NewBoolVar(f"savedin_{s}_{j}")
+                saved_in = found[j, s] = m.NewBoolVar(f"savedin_{s}_{j}")
                 m.AddBoolOr([saved_in.Not(), *pairs])
-                for t in range(max(0, j - W + 1), min(n, j + W)):
-                    reasons = []
-                    # (Past the early stop the cache is never consumed: ``alive`` counts it.)
-                    if t <= j:
-                        reasons.append([kj, self.same(t, j), self.stopafter[j]])
-                    for u in users_of.get(s, ()):
-                        if j < t <= u and u - j < W:
-                            reasons.append([kj, self.same(j, u), self.stopafter[u]])
-                    if not reasons:
-                        continue
-                    var = m.NewBoolVar(f"cachelive_{s}_{j}_{t}")
-                    for literals in reasons:
-                        self.implies([*literals, saved_in.Not()], var)
-                    rc_terms[t].append(self.g.storages[s].nbytes * var)
+        return found
+
+    def _cachelive_terms(self, t: int) -> list:
+        """Terms for ``cachelive_{s}_{j}_{t}``, made here (only recompute event t reads them):
+        kept node j's cached s is live while its region's recompute runs t: in the cache until
+        j, then while the recompute still reads it (unless ``savedin_{s}_{j}``: then ``alive``
+        counts it in ``trigger_bytes``)."""
+        m, n, W = self.m, self.n, self.W
+        terms = []
+        for j in range(max(0, t - W + 1), min(n, t + W)):
+            kj = self.keep.get(j)
+            if kj is None:
+                continue
+            for s in self.cache[j]:
+                reasons = []
+                # (Past the early stop the cache is never consumed: ``alive`` counts it.)
+                if t <= j:
+                    reasons.append([kj, self.same(t, j), self.stopafter[j]])
+                for u in self.users_of.get(s, ()):
+                    if j < t <= u and u - j < W:
+                        reasons.append([kj, self.same(j, u), self.stopafter[u]])
+                if not reasons:
+                    continue
+                var = m.NewBoolVar(f"cachelive_{s}_{j}_{t}")
+                for literals in reasons:
+                    self.implies([*literals, self.saved_in[j, s].Not()], var)
+                terms.append(self.g.storages[s].nbytes * var)
+        return terms
 
     def _storage_users(self) -> dict[int, list[int]]:
         """Nodes after a storage's producer that read it through any alias, or are aliases."""
@@ -545,19 +586,14 @@ class _Builder:
         return sum(terms)
 
 
-def _add_row(model: cp_model.CpModel, peak: cp_model.IntVar, live: cp_model.LinearExprT, enforce: list) -> None:
-    row = model.Add(live <= peak)
-    if enforce:
-        row.OnlyEnforceIf(enforce)
-
-
-def add_events(model: cp_model.CpModel, v: IlpVars, keys: Iterable[tuple[str, int]]) -> None:
-    """Add the memory rows of the events ``keys`` that ``build_model`` deferred (and forget them
-    in ``v.deferred``); keys without a deferred row are skipped."""
+def add_events(v: IlpVars, keys: Iterable[tuple[str, int]]) -> None:
+    """Add the memory rows of the events ``keys`` that ``build_model`` deferred to the model it
+    returned with ``v`` (and forget them in ``v.deferred``); keys without a deferred row are
+    skipped."""
     for key in keys:
-        found = v.deferred.pop(key, None)
-        if found is not None:
-            _add_row(model, v.peak, *found)
+        add = v.deferred.pop(key, None)
+        if add is not None:
+            add()
 
 
 def add_bounding_clauses(model: cp_model.CpModel, v: IlpVars) -> None:
@@ -601,7 +637,6 @@ def build_model(
     b.structure()
     b.retention()
     b.forward_events()
-    b.copies()
     b.backward_events()
     b.recompute_events()
     cost = b.objective()

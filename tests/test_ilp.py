@@ -315,7 +315,7 @@ def _relaxed_peak(graph: ComputeGraph, plan, *, add_back: bool) -> int:
     model, v = build_model(graph, None, deferred_phases=DEFERRED_PHASES)
     assert {phase for phase, _ in v.deferred} == DEFERRED_PHASES
     if add_back:
-        add_events(model, v, list(v.deferred))
+        add_events(v, list(v.deferred))
         assert not v.deferred
     fix_plan(model, graph, v, tuple(plan))
     model.Minimize(v.peak)
