@@ -45,10 +45,12 @@ Derived families (each defined by constraints next to where it is created):
 * ``cachelive_{s}_{j}_{t}`` — kept node j's cached s is live while its region's recompute runs
   t; ``savedin_{s}_{j}``: a node of j's region saves s (then ``alive`` counts it instead),
   ``savedby_{s}_{j}_{jp}``: node jp, in j's region, saves it.
-* ``copy``, ``rc`` and ``cachelive`` are made with the one memory row that reads them, so a
-  model built without that row (``build_model``'s ``deferred_phases``) lacks them until
-  ``add_events`` adds it (they are the largest families after ``alive`` and ``same``, and
-  CP-SAT's presolve would only remove them again).
+* Made on demand: ``copy``, ``rc`` and ``cachelive`` with the one memory row that reads them;
+  ``alive_{s}_{i}`` and ``trigger_bytes_{t}`` (below) when a row first reads them, and the
+  ``same`` their definitions read. So a model built without the backward and recompute rows
+  (``build_model``'s ``deferred_phases``) holds little beyond the decisions and the forward
+  rows until ``add_events`` adds rows, instead of families CP-SAT's presolve would only remove
+  again, slowly on the larger graphs.
 * ``recomputed_{t}`` — node t is recomputed (in a region that is recomputed, before its early
   stop, not kept): what the objective pays for, with the machinery's cost (``_machinery_cost``:
   per ``start``, ``rec`` and ``keep``). ``IlpVars.bounding_clauses``: redundant
@@ -64,6 +66,7 @@ when t's region starts recomputing (everything but the recompute's own tensors).
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -131,7 +134,6 @@ class _Builder:
         upper = budget_bytes if budget_bytes is not None else self.upper
         self.peak = self.m.NewIntVar(0, max(0, upper), "peak")
         self._same: dict[tuple[int, int], cp_model.IntVar] = {}
-        self.alive_needs: dict[int, list[tuple[int, list]]] = defaultdict(list)
         self.deferred_phases = deferred_phases
         self.deferred: dict[tuple[str, int], Callable[[], None]] = {}
 
@@ -269,10 +271,12 @@ class _Builder:
         return sets
 
     def retention(self) -> None:
-        """``held_s`` and the lower bounds on ``alive_{s}_{i}`` from each kind of holder."""
+        """``held_s``, and the lower bounds on ``alive_{s}_{i}`` from each kind of holder, as
+        ``alive_needs``: by storage, (i, a function making the literals that, all true, make
+        ``alive_{s}_{i}`` true), for ``alive_at`` to state when it makes the variable."""
         m, g, W, n = self.m, self.g, self.W, self.n
         self.held = {s: m.NewBoolVar(f"held_{s}") for s in self.dynamic}
-        need = self.alive_needs  # s -> [(i, literals)]: all literals true => alive_{s}_{i}
+        need: dict[int, list[tuple[int, Callable[[], list]]]] = defaultdict(list)
 
         def after(i: int) -> int:
             return i if i in self.runs_backward else 0  # a saver whose backward never runs never releases
@@ -281,7 +285,7 @@ class _Builder:
         for s, savers in self.savers.items():
             for j in savers:
                 m.AddBoolOr([self.rec[j], self.held[s]])
-                need[s].append((after(j), [self.rec[j].Not()]))
+                need[s].append((after(j), lambda j=j: [self.rec[j].Not()]))
         # Region inputs: q's output read by u inside a region that starts after q, at some k in
         # (q, u], held until backward passes k.
         for q, node in enumerate(g.nodes):
@@ -298,7 +302,7 @@ class _Builder:
                     if k not in g.boundaries:
                         continue
                     for s in outs:
-                        need[s].append((k, [self.rec[u], self.start[k], self.same(k, u)]))
+                        need[s].append((k, lambda k=k, u=u: [self.rec[u], self.start[k], self.same(k, u)]))
         # Caches of kept nodes: held until their region's recompute consumes them (at its last
         # trigger; backward events after it, i.e. with no trigger at or after them, still see
         # the cache), or until backward passes the region's start if the recompute never runs j.
@@ -308,42 +312,62 @@ class _Builder:
             for s in storages:
                 m.AddImplication(kj, self.held[s])
                 for i in range(max(0, j - W + 1), min(n, j + W)):
-                    need[s].append((i, [kj, self.same(i, j), self.trigafter[i].Not()]))
+                    need[s].append((i, lambda i=i, j=j, kj=kj: [kj, self.same(i, j), self.trigafter[i].Not()]))
                     # Past the early stop, the recompute never reaches j: its cache stays.
-                    need[s].append((i, [kj, self.same(i, j), self.stopafter[j].Not()]))
+                    need[s].append((i, lambda i=i, j=j, kj=kj: [kj, self.same(i, j), self.stopafter[j].Not()]))
                 for i in range(j + 1, min(n, j + W + 1)):
                     # The first node past the region: the cache is still held there.
-                    need[s].append((i, [kj, self.same(j, i).Not()]))
+                    need[s].append((i, lambda i=i, j=j, kj=kj: [kj, self.same(j, i).Not()]))
                 # After the recompute, savers inside the region hold the cached tensor.
                 for jp in self.savers.get(s, ()):
                     if jp >= j:
-                        need[s].append((after(jp), [kj, self.same(j, jp)]))
-        # alive_{s}_{i} over each storage's window, monotone in i, then held_s beyond it.
+                        need[s].append((after(jp), lambda jp=jp, j=j, kj=kj: [kj, self.same(j, jp)]))
+        # alive_{s}_{i} over each storage's window [lo, hi], monotone in i, then held_s beyond it.
+        self.alive_needs: dict[int, tuple[list[int], list[Callable[[], list]]]] = {}
         self.alive: dict[int, dict[int, cp_model.IntVar]] = {}
-        self.window_end: dict[int, int] = {}
+        self.alive_made: dict[int, list[int]] = {}  # the indices of each storage's alive variables, ascending
+        self.alive_window: dict[int, tuple[int, int]] = {}
         for s in self.dynamic:
-            needs = need.get(s)
-            if not needs:
-                self.window_end[s] = 0
-                continue
-            lo = min(i for i, _ in needs)
-            hi = max(i for i, _ in needs)
-            alive = {i: m.NewBoolVar(f"alive_{s}_{i}") for i in range(lo, hi + 1)}
-            for i in range(lo, hi):
-                m.AddImplication(alive[i], alive[i + 1])
-            m.AddImplication(alive[hi], self.held[s])
-            for i, literals in needs:
-                self.implies(literals, alive[i])
-            self.alive[s] = alive
-            self.window_end[s] = hi + 1
+            needs = sorted(need.get(s, ()), key=lambda pair: pair[0])
+            if needs:
+                self.alive_needs[s] = ([i for i, _ in needs], [make for _, make in needs])
+                self.alive_window[s] = (needs[0][0], needs[-1][0])
+                self.alive[s], self.alive_made[s] = {}, []
+        if "backward" not in self.deferred_phases:  # every row reads them: make them in order
+            for s, (lo, hi) in self.alive_window.items():
+                for i in range(lo, hi + 1):
+                    self.alive_at(s, i)
 
     def alive_at(self, s: int, i: int) -> cp_model.IntVar:
-        alive = self.alive.get(s)
-        if alive is None:
+        """``alive_{s}_{i}`` (made now if need be), or what stands for it outside s's window:
+        false before it, ``held_s`` after it."""
+        window = self.alive_window.get(s)
+        if window is None or i < window[0]:
             return self.false
-        if i in alive:
-            return alive[i]
-        return self.held[s] if i >= self.window_end[s] else self.false
+        if i > window[1]:
+            return self.held[s]
+        var = self.alive[s].get(i)
+        return var if var is not None else self._make_alive(s, i)
+
+    def _make_alive(self, s: int, i: int) -> cp_model.IntVar:
+        """A new ``alive_{s}_{i}`` between the nearest ones already made (``prev`` < i < ``nxt``):
+        ``alive_prev => alive_i => alive_nxt`` (or ``held_s`` after the last), and true when a
+        holder needs s at some index in (prev, i]; the needs at or before prev reach it through
+        ``alive_prev``. Made in ascending order, each need is stated once."""
+        m, made, alive = self.m, self.alive_made[s], self.alive[s]
+        var = alive[i] = m.NewBoolVar(f"alive_{s}_{i}")
+        k = bisect_left(made, i)
+        prev = made[k - 1] if k else None
+        nxt = made[k] if k < len(made) else None
+        if prev is not None:
+            m.AddImplication(alive[prev], var)
+        m.AddImplication(var, alive[nxt] if nxt is not None else self.held[s])
+        indices, makers = self.alive_needs[s]
+        first = 0 if prev is None else bisect_right(indices, prev)
+        for make in makers[first:bisect_right(indices, i)]:
+            self.implies(make(), var)
+        made.insert(k, i)
+        return var
 
     # ------------------------------------------------------------------ events
     def last_forward_use(self) -> dict[int, int]:
@@ -423,24 +447,40 @@ class _Builder:
     def recompute_events(self) -> None:
         """Each region's recompute runs its nodes from the start to the early stop, while backward
         holds what it held just before the region's last trigger."""
-        m, n = self.m, self.n
-        self.trigger_bytes = [m.NewIntVar(0, self.upper, f"trigger_bytes_{t}") for t in range(n)]
-        for i, lt in self.last_trig.items():
-            terms = self.held_originals(i)
-            m.Add(self.trigger_bytes[i] >= self.base.before[i] + sum(terms)).OnlyEnforceIf(lt)
-        for t in range(1, n):
-            m.Add(self.trigger_bytes[t] >= self.trigger_bytes[t - 1]).OnlyEnforceIf(self.cont[t])
-            m.Add(self.trigger_bytes[t - 1] >= self.trigger_bytes[t]).OnlyEnforceIf(self.cont[t])
+        n = self.n
+        self.trigger_bytes: dict[int, cp_model.IntVar] = {}
+        if "recompute" not in self.deferred_phases:
+            self._make_trigger_bytes(0, n)
         self.users_of = self._storage_users()
         self.saved_in = self._saved_in_region()
         for t in range(n):
             self.event(("recompute", t), lambda t=t: self._recompute_row(t))
+
+    def _make_trigger_bytes(self, lo: int, hi: int) -> None:
+        """``trigger_bytes_{u}`` for u in [lo, hi) not yet made: equal along each region (under
+        ``cont``), and at a region's last trigger at least what backward holds just before it.
+        The recompute row of t reads only those of t's region, within a window of t."""
+        m, tb = self.m, self.trigger_bytes
+        new = [u for u in range(lo, hi) if u not in tb]
+        for u in new:
+            tb[u] = m.NewIntVar(0, self.upper, f"trigger_bytes_{u}")
+        made = set(new)
+        for u in new:
+            # Each neighbouring pair once: with u-1 whenever it exists, with u+1 if made earlier.
+            for a, b in ((u - 1, u), (u, u + 1)):
+                if a in tb and b in tb and (b == u or b not in made):
+                    m.Add(tb[b] >= tb[a]).OnlyEnforceIf(self.cont[b])
+                    m.Add(tb[a] >= tb[b]).OnlyEnforceIf(self.cont[b])
+            lt = self.last_trig.get(u)
+            if lt is not None:
+                m.Add(tb[u] >= self.base.before[u] + sum(self.held_originals(u))).OnlyEnforceIf(lt)
 
     def _recompute_row(self, t: int) -> Row:
         """The recompute running node t: the bytes held at its region's last trigger, the
         recomputed copies and kept caches live at t (``_rc_terms``, ``_cachelive_terms``) and
         t's workspace unless t is kept."""
         work = self.g.nodes[t].fwd_workspace_bytes
+        self._make_trigger_bytes(max(0, t - self.W + 1), min(self.n, t + self.W))
         live = self.resident + self.trigger_bytes[t] + sum(self._rc_terms(t)) + sum(self._cachelive_terms(t))
         if work:
             live += work - work * self._keep_var(t)
