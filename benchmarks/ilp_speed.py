@@ -16,9 +16,9 @@ out (absent when the reproducible search proved the plan itself). Prints a Markd
 ``--limits 2,6,15``: instead, ``ilp`` at each of those time limits: the seconds it took against
 the limit asked, and the plan's overhead (does it keep to its limit?).
 
-``--proof-only``: the proof phase alone (``search_lazily`` with 8 workers) from the block-by-block plan
-(or ``sqrt``'s, where the blocks find none), given the whole time limit: how long a proof takes
-when nothing else runs first.
+``--proof-only``: the proof phase alone (``search_lazily`` with ``proof_workers()`` workers) from
+the block-by-block plan (or ``sqrt``'s, where the blocks find none), given the whole time limit:
+how long a proof takes when nothing else runs first.
 """
 
 from __future__ import annotations
