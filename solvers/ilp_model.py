@@ -351,7 +351,7 @@ class _Builder:
 
     def _make_alive(self, s: int, i: int) -> cp_model.IntVar:
         """A new ``alive_{s}_{i}`` between the nearest ones already made (``prev`` < i < ``nxt``):
-        ``alive_prev => alive_i => alive_nxt`` (or ``held_s`` after the last), and true when a
+        ``alive_prev => alive_i => alive_nxt`` (``held_s`` at the window's end), and true when a
         holder needs s at some index in (prev, i]; the needs at or before prev reach it through
         ``alive_prev``. Made in ascending order, each need is stated once."""
         m, made, alive = self.m, self.alive_made[s], self.alive[s]
@@ -361,7 +361,10 @@ class _Builder:
         nxt = made[k] if k < len(made) else None
         if prev is not None:
             m.AddImplication(alive[prev], var)
-        m.AddImplication(var, alive[nxt] if nxt is not None else self.held[s])
+        if nxt is not None:
+            m.AddImplication(var, alive[nxt])
+        elif i == self.alive_window[s][1]:
+            m.AddImplication(var, self.held[s])  # redundant: every holder implies held_s too
         indices, makers = self.alive_needs[s]
         first = 0 if prev is None else bisect_right(indices, prev)
         for make in makers[first:bisect_right(indices, i)]:
