@@ -74,11 +74,19 @@ HIERARCHICAL_SHARE = 0.25  # of the time limit, without a proof phase to follow:
 # (and short solves, as in tests and block policies, end without one).
 MIN_PROOF_SECONDS = 10.0
 PROOF_SHARE = 0.3  # of the time limit, kept for the proof phase when that is MIN_PROOF_SECONDS or more
-# Building the CP-SAT model costs about this much per (node, node of its region window) pair:
-# 40-120 us on the examples and GPT-2s of ``benchmarks/ilp_speed.py`` (the GPT example's 20,480
-# pairs: 1.4-1.5 s). The search, which builds it twice (its own and the hint completion's copy),
-# is skipped when the limit cannot pay for that: the GPT example asked for 2 s took 4.3-5.0 s.
+# Building the whole CP-SAT model costs about this much per (node, node of its region window)
+# pair: 40-120 us on the examples and GPT-2s of ``benchmarks/ilp_speed.py`` (the GPT example's
+# 20,480 pairs: 1.4-1.5 s). The reproducible search is skipped when the limit cannot pay for two
+# such builds (without this the GPT example asked for 2 s took 4.3-5.0 s), and its local search,
+# which builds the whole model and copies it for each window, when less than one is left. (The
+# lazy search's relaxation, without the backward and recompute rows, costs a fraction of that.)
 BUILD_SECONDS_PER_PAIR = 75e-6
+# A plan the proof portfolio finds is simplified (``refine.simplify``: one simulation per region
+# and keep) for at most this share of the proof phase's time past its end, then returned as far
+# as it got. Its plans can carry many regions that buy nothing (the neighbourhood searches leave
+# them, and each costs the objective little), and on the larger GPT-2s of ``benchmarks/ilp_speed.py``
+# removing them took seconds, past the limit.
+SIMPLIFY_GRACE = 0.05
 
 
 def improve_locally(
@@ -398,7 +406,7 @@ def solve_flat(
         how = f"proof phase on the whole graph from the cheapest warm plan{blocks_note}: {found.describe()}"
     else:
         found, regions = _search(graph, budget_bytes, start, search_end=end - reserve, clock=clock, workers=workers,
-                                 seed=seed, window=window, announce=announce, lazy=lazy)
+                                 seed=seed, window=window, announce=announce, lazy=lazy, model_seconds=build_seconds)
         status, bound = found.status, found.bound
         how = f"search: {found.describe()}"
         left = last - time.perf_counter()
@@ -469,12 +477,13 @@ def _proof_phase(
 ) -> tuple[LazyResult, tuple[Region, ...]]:
     """The lazy search with CP-SAT's portfolio (``proof_workers()``) from ``regions`` for
     ``seconds``: its result, and the plan it ends with (``regions`` unless it found a strictly
-    cheaper one, which is simplified)."""
+    cheaper one, which is simplified until ``SIMPLIFY_GRACE`` of ``seconds`` past them)."""
+    deadline = time.perf_counter() + seconds * (1 + SIMPLIFY_GRACE)
     proof = search_lazily(graph, budget_bytes, regions, seconds=seconds, workers=proof_workers(), seed=seed,
                           window=window, bound=bound, announce=announce)
     if proof.regions == regions:
         return proof, regions
-    return proof, simplify(graph, proof.regions, budget_bytes)
+    return proof, simplify(graph, proof.regions, budget_bytes, deadline=deadline)
 
 
 def _search(
@@ -489,11 +498,13 @@ def _search(
     window: int | None,
     announce: bool,
     lazy: bool,
+    model_seconds: float,
 ) -> tuple[LazyResult, tuple[Region, ...] | None]:
     """``solve_flat``'s reproducible search from ``start`` until ``search_end`` (a
     ``time.perf_counter()`` value) or ``clock`` seconds of CP-SAT's deterministic clock: the
-    lazy search with half of both, then ``improve_locally``. Returns the lazy search's result and
-    the plan after both (None when neither found one)."""
+    lazy search with half of both, then ``improve_locally`` if more than ``model_seconds`` (what
+    building its model, the whole one, should take) is left. Returns the lazy search's result
+    and the plan after both (None when neither found one)."""
     found = search_lazily(
         graph, budget_bytes, start, seconds=max(0.1, search_end - time.perf_counter()) * GLOBAL_SHARE, workers=workers,
         deterministic_seconds=clock * GLOBAL_SHARE, seed=seed, window=window, announce=announce,
@@ -504,9 +515,8 @@ def _search(
     regions = found.regions
     if regions is not None and regions != start:
         regions = simplify(graph, regions, budget_bytes)
-    # The local search's model, the whole one, takes longer to build than the search's relaxation
-    # did (GPT example: 1.3-1.8 s); with less time left than that it would not free one window.
-    if found.status == "FEASIBLE" and not stopped.is_set() and search_end - time.perf_counter() > found.build_seconds:
+    # With less time left than its model takes to build, the local search would not free one window.
+    if found.status == "FEASIBLE" and not stopped.is_set() and search_end - time.perf_counter() > model_seconds:
         model, v = build_model(graph, budget_bytes, window=window)
         model.Minimize(v.cost)
         regions = improve_locally(

@@ -68,8 +68,7 @@ class LazyResult:
     strictly cheaper one was found), ``cost`` its simulated cost and ``bound`` a proven lower
     bound on every plan's, in ``COST_SCALE`` units. ``rows`` counts the event rows added of the
     ``deferred`` left out, over ``rounds`` CP-SAT runs, ``seeded`` of them before the first;
-    ``variables`` and ``constraints`` size the final model; ``build_seconds`` is what building
-    the first took."""
+    ``variables`` and ``constraints`` size the final model."""
 
     status: str
     regions: tuple[Region, ...] | None
@@ -82,7 +81,6 @@ class LazyResult:
     variables: int
     constraints: int
     seconds: float
-    build_seconds: float = 0.0
 
     def describe(self) -> str:
         if not self.deferred:
@@ -160,7 +158,6 @@ def search_lazily(
     if deferred_phases:  # the relaxation's bound rests on them; the whole model's search does better without
         add_bounding_clauses(model, v)
     model.Minimize(v.cost)
-    build_seconds = time.perf_counter() - started
     deferred = len(v.deferred)
     best, best_cost, seeded = regions, math.inf, 0
     if regions is not None:
@@ -224,5 +221,5 @@ def search_lazily(
     return LazyResult(
         status=status, regions=best, cost=cost, bound=min(bound, cost), rounds=rounds, rows=deferred - len(v.deferred),
         deferred=deferred, seeded=seeded, variables=len(proto.variables), constraints=len(proto.constraints),
-        seconds=time.perf_counter() - started, build_seconds=build_seconds,
+        seconds=time.perf_counter() - started,
     )

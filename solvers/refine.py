@@ -12,6 +12,7 @@ far (``benchmarks/ilp_speed.py --time-limit 6`` measures both).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ckptplan.graph import ComputeGraph
@@ -99,15 +100,21 @@ def shed_keeps(
     return tuple(current) if report.peak_bytes <= budget_bytes else None
 
 
-def simplify(graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int) -> tuple[Region, ...]:
+def simplify(
+    graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int, *, deadline: float | None = None
+) -> tuple[Region, ...]:
     """Drop regions and keeps that buy nothing: each is removed, in execution order, when the plan
     without it still fits ``budget_bytes`` and recomputes no more. A stopped search leaves such
     no-ops behind (a one-node region keeping its node, a region around free ops), and every
-    region is a ``checkpoint`` call at run time."""
+    region is a ``checkpoint`` call at run time. ``deadline`` (a ``time.perf_counter()`` value)
+    ends the trials early, with what they removed so far: one simulation per region and keep
+    adds up on large graphs (see ``ilp.SIMPLIFY_GRACE``)."""
     best: Report = simulate(graph, regions)
 
     def no_worse(candidate: tuple[Region, ...]) -> bool:
         nonlocal best
+        if deadline is not None and time.perf_counter() >= deadline:
+            return False
         report = simulate(graph, candidate)
         if report.peak_bytes <= budget_bytes and report.cost_seconds <= best.cost_seconds:
             best = report
