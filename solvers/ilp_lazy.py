@@ -5,7 +5,8 @@ Most of the model is the memory of backward and recompute events (``ilp_model``:
 node and phase, each a sum over the storages alive there, with the booleans that define them),
 yet at an optimum only a few of those rows bind, near the start of backward where the peak
 sits. So the search builds the model with the forward rows only (and
-``IlpVars.bounding_clauses``), simulates every plan CP-SAT reports, and, as soon as one breaks
+``IlpVars.bounding_clauses``; each row left out brings the variables only it reads when it
+joins, so this relaxation is a small model, not the whole one with rows missing), simulates every plan CP-SAT reports, and, as soon as one breaks
 the budget, adds the rows of the events where it does and searches again, hinted with the
 cheapest plan that fits. Every model along the way is a relaxation of the whole model, so each
 lower bound CP-SAT proves holds for the whole model too: the search is done, proven optimal,
@@ -52,10 +53,10 @@ DEFERRED_PHASES = frozenset({"backward", "recompute"})
 PROOF_WORKERS = 3  # the proof phase's workers on fewer cores than FULL_PORTFOLIO_WORKERS
 # Deferred rows stated up front: those of the events where the start plan holds the most bytes.
 # At a budget that binds, the search's first plans break rows near the start plan's peak, and
-# each round that then restarts pays a presolve again (5 s on the 309-node GPT-2, 13 s on the
-# 555-node one). The transformers' one added row had been the start plan's fullest event, the
-# U-Net's five among its 13 fullest; with 8 stated up front ``ilp_speed.py --proof-only`` proves
-# the GPT example and the two-layer GPT-2 in one round at 70% and 50% (``benchmarks/RESULTS.md``).
+# each round that then restarts pays CP-SAT's presolve again. The transformers' one added row
+# had been the start plan's fullest event, the U-Net's five among its 13 fullest; with 8 stated
+# up front ``ilp_speed.py --proof-only`` proves the GPT example and the two-layer GPT-2 in one
+# round at 70% and 50% (``benchmarks/RESULTS.md``).
 SEEDED_ROWS = 8
 MIN_CLOCK_SECONDS = 0.01  # a deterministic clock with less left than this ends the search
 
