@@ -125,9 +125,14 @@ class _Builder:
             for s in node.outputs:
                 self._alias_nodes[s].append(node.index)
         self.by_producer: dict[int, list[int]] = defaultdict(list)  # dynamic storages by producing node
+        self.first_saver: dict[int, int] = {}  # the first node at or after s's producer that saves s
         for s in self.dynamic:
-            if graph.storages[s].producer >= 0:
-                self.by_producer[graph.storages[s].producer].append(s)
+            p = graph.storages[s].producer
+            if p >= 0:
+                self.by_producer[p].append(s)
+                first = min((j for j in self.savers.get(s, ()) if j >= p), default=None)
+                if first is not None:
+                    self.first_saver[s] = first
         self.false = self.m.NewConstant(0)
         self.true = self.m.NewConstant(1)
         self.upper = self._upper_bytes()
@@ -307,6 +312,7 @@ class _Builder:
         # trigger; backward events after it, i.e. with no trigger at or after them, still see
         # the cache), or until backward passes the region's start if the recompute never runs j.
         self.cache = self.cache_sets()
+        self.kept_order = sorted(self.keep)
         for j, storages in self.cache.items():
             kj = self.keep[j]
             for s in storages:
@@ -439,8 +445,8 @@ class _Builder:
         terms = []
         for p in range(max(0, i - W + 1), i + 1):
             for s in self.by_producer.get(p, ()):
-                savers = [j for j in self.savers.get(s, ()) if j >= p and j - p < W]
-                if not savers or i < savers[0]:
+                first = self.first_saver.get(s)
+                if first is None or first - p >= W or i < first:
                     continue
                 var = m.NewBoolVar(f"copy_{s}_{i}")
                 self.implies([self._keep_var(p).Not(), self.same(p, i), self.trigafter[i]], var)
@@ -455,6 +461,7 @@ class _Builder:
         if "recompute" not in self.deferred_phases:
             self._make_trigger_bytes(0, n)
         self.users_of = self._storage_users()
+        self.made_at_stop: dict[int, frozenset[int]] = {}
         self.saved_in = self._saved_in_region()
         for t in range(n):
             self.event(("recompute", t), lambda t=t: self._recompute_row(t))
@@ -499,10 +506,12 @@ class _Builder:
             if not storages:
                 continue
             fresh = self._keep_var(p).Not()
-            made_at_stop = made_at_early_stop(g, p)  # what exists when p's early stop fires
+            made_at_stop = self.made_at_stop.get(p)  # what exists when p's early stop fires
+            if made_at_stop is None:
+                made_at_stop = self.made_at_stop[p] = made_at_early_stop(g, p)
             for s in storages:
                 storage = g.storages[s]
-                first_saver = min((j for j in self.savers.get(s, ()) if j >= p), default=None)
+                first_saver = self.first_saver.get(s)
                 reasons = []  # literal lists: all true => rc
                 if t == p:
                     if s in made_at_stop:
@@ -548,12 +557,11 @@ class _Builder:
         kept node j's cached s is live while its region's recompute runs t: in the cache until
         j, then while the recompute still reads it (unless ``savedin_{s}_{j}``: then ``alive``
         counts it in ``trigger_bytes``)."""
-        m, n, W = self.m, self.n, self.W
+        m, W = self.m, self.W
         terms = []
-        for j in range(max(0, t - W + 1), min(n, t + W)):
-            kj = self.keep.get(j)
-            if kj is None:
-                continue
+        kept = self.kept_order
+        for j in kept[bisect_left(kept, t - W + 1):bisect_left(kept, t + W)]:
+            kj = self.keep[j]
             for s in self.cache[j]:
                 reasons = []
                 # (Past the early stop the cache is never consumed: ``alive`` counts it.)
