@@ -18,7 +18,9 @@ the limit asked, and the plan's overhead (does it keep to its limit?).
 
 ``--proof-only``: the proof phase alone (``search_lazily`` with ``proof_workers()`` workers) from
 the block-by-block plan (or ``sqrt``'s, where the blocks find none), given the whole time limit:
-how long a proof takes when nothing else runs first.
+how long a proof takes when nothing else runs first, and the size of the relaxation it ended
+with ("variables", "constraints": the decisions, the forward rows and the rows it added, each
+with the variables only it reads).
 """
 
 from __future__ import annotations
@@ -105,8 +107,9 @@ def start_overhead(graph: ckptplan.ComputeGraph, budget: int, time_limit: float)
 
 
 def proof_only(graphs: dict[str, ckptplan.ComputeGraph], time_limit: float) -> None:
-    print("| graph | nodes | budget | start | start overhead | overhead | status | gap | rounds | rows added | proof s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| graph | nodes | budget | start | start overhead | overhead | status | gap | rounds | rows added "
+          "| variables | constraints | proof s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, graph in graphs.items():
         for fraction in FRACTIONS:
             budget = int(fraction * graph.baseline_peak_bytes)
@@ -122,7 +125,8 @@ def proof_only(graphs: dict[str, ckptplan.ComputeGraph], time_limit: float) -> N
             gap = 0.0 if proof.cost <= 0 else (proof.cost - proof.bound) / proof.cost
             print(f"| {name} | {len(graph.nodes)} | {fraction:.0%} | {origin} | {start.prediction.overhead:.3f} | "
                   f"{proof.cost / COST_SCALE / graph.step_cost:.3f} | {proof.status.lower()} | "
-                  f"{gap:.2f} | {proof.rounds} | {proof.rows} of {proof.deferred} | {proof.seconds:.1f} |", flush=True)
+                  f"{gap:.2f} | {proof.rounds} | {proof.rows} of {proof.deferred} | {proof.variables:,} | "
+                  f"{proof.constraints:,} | {proof.seconds:.1f} |", flush=True)
 
 
 def limits(graphs: dict[str, ckptplan.ComputeGraph], seconds: list[float]) -> None:
