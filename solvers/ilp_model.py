@@ -99,6 +99,8 @@ class IlpVars:
     # adds its row to the model when called, with the variables only that row reads (``copy``,
     # ``rc``, ``cachelive``), so a model without the row lacks them too.
     deferred: dict[tuple[str, int], Callable[[], None]] = field(default_factory=dict)
+    # States the constraints of the ``alive`` variables rows made since its last call (``add_events``).
+    link_alive: Callable[[], None] = field(default=lambda: None)
 
 
 class _Builder:
@@ -331,7 +333,8 @@ class _Builder:
         # alive_{s}_{i} over each storage's window [lo, hi], monotone in i, then held_s beyond it.
         self.alive_needs: dict[int, tuple[list[int], list[Callable[[], list]]]] = {}
         self.alive: dict[int, dict[int, cp_model.IntVar]] = {}
-        self.alive_made: dict[int, list[int]] = {}  # the indices of each storage's alive variables, ascending
+        self.alive_made: dict[int, list[int]] = {}  # the indices of each storage's linked alive variables, ascending
+        self.unlinked: list[tuple[int, int]] = []  # (s, i) of alive variables made since ``link_alive``
         self.alive_window: dict[int, tuple[int, int]] = {}
         for s in self.dynamic:
             needs = sorted(need.get(s, ()), key=lambda pair: pair[0])
@@ -353,15 +356,26 @@ class _Builder:
         if i > window[1]:
             return self.held[s]
         var = self.alive[s].get(i)
-        return var if var is not None else self._make_alive(s, i)
+        if var is None:
+            var = self.alive[s][i] = self.m.NewBoolVar(f"alive_{s}_{i}")
+            self.unlinked.append((s, i))
+        return var
 
-    def _make_alive(self, s: int, i: int) -> cp_model.IntVar:
-        """A new ``alive_{s}_{i}`` between the nearest ones already made (``prev`` < i < ``nxt``):
+    def link_alive(self) -> None:
+        """State the constraints of the ``alive`` variables made since the last call, in
+        ascending order (``_link_alive``), so that each holder's need joins once per batch."""
+        for s, i in sorted(self.unlinked):
+            self._link_alive(s, i)
+        self.unlinked.clear()
+
+    def _link_alive(self, s: int, i: int) -> None:
+        """``alive_{s}_{i}`` between the nearest ones already linked (``prev`` < i < ``nxt``):
         ``alive_prev => alive_i => alive_nxt`` (``held_s`` at the window's end), and true when a
         holder needs s at some index in (prev, i]; the needs at or before prev reach it through
-        ``alive_prev``. Made in ascending order, each need is stated once."""
+        ``alive_prev``. (Those in (prev, i] are stated for ``alive_nxt`` too when it was linked
+        in an earlier batch.)"""
         m, made, alive = self.m, self.alive_made[s], self.alive[s]
-        var = alive[i] = m.NewBoolVar(f"alive_{s}_{i}")
+        var = alive[i]
         k = bisect_left(made, i)
         prev = made[k - 1] if k else None
         nxt = made[k] if k < len(made) else None
@@ -376,7 +390,6 @@ class _Builder:
         for make in makers[first:bisect_right(indices, i)]:
             self.implies(make(), var)
         made.insert(k, i)
-        return var
 
     # ------------------------------------------------------------------ events
     def last_forward_use(self) -> dict[int, int]:
@@ -645,6 +658,7 @@ def add_events(v: IlpVars, keys: Iterable[tuple[str, int]]) -> None:
         add = v.deferred.pop(key, None)
         if add is not None:
             add()
+    v.link_alive()
 
 
 def add_bounding_clauses(model: cp_model.CpModel, v: IlpVars) -> None:
@@ -691,6 +705,7 @@ def build_model(
     b.backward_events()
     b.recompute_events()
     cost = b.objective()
+    b.link_alive()
     proto = b.m.Proto()
     variables = IlpVars(
         rec=b.rec,
@@ -702,5 +717,6 @@ def build_model(
         counts={"variables": len(proto.variables), "constraints": len(proto.constraints)},
         bounding_clauses=b.bounding_clauses,
         deferred=b.deferred,
+        link_alive=b.link_alive,
     )
     return b.m, variables
