@@ -96,8 +96,8 @@ class IlpVars:
     counts: dict[str, int] = field(default_factory=dict)
     bounding_clauses: list[tuple[cp_model.IntVar, cp_model.IntVar]] = field(default_factory=list)
     # Memory rows left out of the model, by event (``build_model``'s ``deferred_phases``): each
-    # adds its row to the model when called, with the variables only that row reads (``copy``,
-    # ``rc``, ``cachelive``), so a model without the row lacks them too.
+    # adds its row to the model when called, with the variables it reads that the model lacks
+    # (see "Made on demand" above).
     deferred: dict[tuple[str, int], Callable[[], None]] = field(default_factory=dict)
     # States the constraints of the ``alive`` variables rows made since its last call (``add_events``).
     link_alive: Callable[[], None] = field(default=lambda: None)
@@ -342,7 +342,7 @@ class _Builder:
                 self.alive_needs[s] = ([i for i, _ in needs], [make for _, make in needs])
                 self.alive_window[s] = (needs[0][0], needs[-1][0])
                 self.alive[s], self.alive_made[s] = {}, []
-        if "backward" not in self.deferred_phases:  # every row reads them: make them in order
+        if "backward" not in self.deferred_phases:  # the whole model has every one, as it always had
             for s, (lo, hi) in self.alive_window.items():
                 for i in range(lo, hi + 1):
                     self.alive_at(s, i)
