@@ -64,8 +64,8 @@ SIMULATE_SECONDS_PER_NODE = 15e-6
 FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
 # Up to this many nodes, the proof phase runs on the whole graph after the block-by-block plan when
 # the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 70% of its peak, 60 s: proven in
-# 58 s at 12 layers (555 nodes, 229k variables, 5 s to build), gap 0.07 at 23 (1,006 nodes, 444k, 8 s).
-# Beyond, the model alone takes most of a minute to build (GPT-3's 5,147 nodes).
+# 24 s at 12 layers (555 nodes), gap 0.03 at 23 (1,006 nodes; ``benchmarks/RESULTS.md``). Larger
+# graphs (GPT-3's 5,147 nodes) get the block-by-block plan alone: a proof phase there is unmeasured.
 PROOF_MAX_NODES = 1_200
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
 HIERARCHICAL_SHARE = 0.25  # of the time limit, without a proof phase to follow: the block-by-block warm start
