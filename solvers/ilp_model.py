@@ -280,7 +280,7 @@ class _Builder:
     def retention(self) -> None:
         """``held_s``, and the lower bounds on ``alive_{s}_{i}`` from each kind of holder, as
         ``alive_needs``: by storage, (i, a function making the literals that, all true, make
-        ``alive_{s}_{i}`` true), for ``alive_at`` to state when it makes the variable."""
+        ``alive_{s}_{i}`` true), for ``_link_alive`` to state once the variable is made."""
         m, g, W, n = self.m, self.g, self.W, self.n
         self.held = {s: m.NewBoolVar(f"held_{s}") for s in self.dynamic}
         need: dict[int, list[tuple[int, Callable[[], list]]]] = defaultdict(list)
