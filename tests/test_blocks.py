@@ -81,6 +81,36 @@ def test_measured_effects_predict_a_uniform_plan(gpt) -> None:
         assert report.cost_seconds == pytest.approx(len(members) * effect.cost_seconds)
 
 
+def test_frontier_names_the_middle_of_the_widest_unexplored_gap(gpt) -> None:
+    """A solve at budget x returning a plan that costs y rules out cheaper plans peaking at x or
+    less, so the gap left between two frontier neighbours starts at the highest such x."""
+    _, _, graph = gpt
+
+    def plan(start: int, peak: int, cost: float) -> ckptplan.Plan:  # real plans, chosen numbers
+        made = ckptplan.make_plan(graph, [ckptplan.Region(start, start + 1)])
+        prediction = made.prediction.model_copy(update={"peak_bytes": peak, "recompute_seconds": cost,
+                                                        "checkpoint_seconds": 0.0})
+        return made.model_copy(update={"prediction": prediction})
+
+    frontier = blocks.Frontier()
+    costly, free = plan(1, 1000, 10.0), plan(2, 2000, 0.0)
+    frontier.add(1000, costly)
+    frontier.add(2000, free)
+    frontier.add(900, None)  # nothing within 900: below the frontier, rules nothing out between
+    assert frontier.widest_gap(resolution=1) == 1500
+    frontier.add(1500, costly)  # nothing cheaper up to 1500
+    assert frontier.widest_gap(resolution=1) == 1750
+    frontier.add(1750, plan(3, 1700, 4.0))  # gaps: (1500, 1700) × 6 = 1200 against (1750, 2000) × 4 = 1000
+    assert frontier.widest_gap(resolution=1) == 1600
+    assert frontier.widest_gap(resolution=110) == 1875  # the other gap is under twice the resolution
+    assert frontier.widest_gap(resolution=130) is None
+    frontier.add(1600, plan(1, 1000, 10.0))  # the same plan again: not a new one, but (1500, 1600] explored
+    assert len(frontier.plans) == 3 and frontier.widest_gap(resolution=1) == 1875  # 100 × 6 < 250 × 4
+    # A plan no cheaper than a lower-peaking one (a solve stopped early) is off the frontier.
+    frontier.add(1740, plan(4, 1720, 5.0))
+    assert len(frontier.plans) == 4 and frontier.widest_gap(resolution=1) == 1875
+
+
 @pytest.mark.parametrize("fraction", [0.7, 0.5])
 def test_block_by_block_plans_fit_and_beat_sqrt(gpt, fraction: float) -> None:
     _, _, graph = gpt
