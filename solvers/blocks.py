@@ -55,19 +55,26 @@ from ckptplan.solvers.sqrt import least_peak_regions
 log = logging.getLogger(__name__)
 
 POLICY_BUDGETS = 3  # block budgets per ballast, evenly from its least to its unplanned peak
-BALLAST_SHARES = (0.0, 1.0, 4.0)  # the rest of the step, in the block's activation bytes
+# The ballasts: the rest of the step, in the block's activation bytes (0 favours a low peak inside
+# the block, more favours storing little). The largest is raised to the block's own unplanned
+# peak where that is more, so that the ballast's events are the block graph's peak whatever the
+# plan, and a budget bounds exactly what the block stores: GPT-3's attention backward alone
+# peaks above 4x its activation bytes, and its solves at every budget had found the same three
+# policies (at 80 GB the plan's overhead was 22.5%; with the raised ballast 17.7%).
+BALLAST_SHARES = (0.0, 1.0, 4.0)
 # Extra solves with the largest ballast, each in the widest gap left on the frontier of (peak,
 # recompute cost) (``Frontier``), down to gaps of 1/FRONTIER_RESOLUTION of the budgets' range.
-# The evenly spaced budgets missed the cheap plans that free a little: on the 12-layer GPT-2 at
-# 50% of its peak the proof phase's plan put per block policies freeing 27.5-30.5 MiB for
-# 0.19-0.39% of the step, where the choice had 23.5 MiB for 0.07% and then 31.5 MiB for 0.45%.
+# Evenly spaced budgets miss the cheap plans that free a little: on the 12-layer GPT-2 at 50%
+# of its peak the proof phase's plan gave its blocks policies freeing 27.5-30.5 MiB for
+# 0.19-0.39% of the step, where the choice had had 23.5 MiB for 0.07% and then 31.5 MiB for
+# 0.45% (its plan cost 0.039 of the step, 0.031 with these solves; 5 even budgets had been used).
 FRONTIER_SOLVES = 12
 FRONTIER_RESOLUTION = 100
 KEEP_STEPS = 4  # keep-set sizes of ranked_keep_policies: 0, 1/4, ..., all of the keepable nodes
 FREED_UNITS = 4000  # buckets of freed bytes in which the choice DP keeps one state
 MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan overshoots
 # With this many seconds per block solve, the lowest budget tried is the least peak the flat ilp
-# finds (GPT-3 at 80 GB: 22.5% overhead, 22.7% from sqrt's least peak).
+# finds (GPT-3 at 80 GB: 17.7% overhead, 17.9% from sqrt's least peak).
 THOROUGH_SECONDS = 0.2
 # Below this many seconds per block solve, the ranked policies alone are the candidates: building
 # and solving each small model costs 0.1-0.3 s whatever its limit (a 2-layer Llama: 7 s of
@@ -189,9 +196,9 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     """Candidate policies for ``block`` (relative regions, keep-sets naming the block's nodes):
     none, ``ranked_keep_policies``, and the flat ilp's plans of ``block_graph`` at
     ``POLICY_BUDGETS`` budgets from a least peak to its unplanned peak, for each ballast of
-    ``BALLAST_SHARES`` × the block's activation bytes (0 favours a low peak inside the block,
-    more favours storing little for the rest of the step). Each solve starts from the ranked
-    policies and the ``sqrt`` and ``dp`` plans; the least peak is the lowest of theirs, or the
+    ``BALLAST_SHARES``, and with the largest ballast at ``FRONTIER_SOLVES`` more budgets where
+    its frontier has the widest gaps. Each solve starts from the ranked policies, the plans
+    found so far and the ``sqrt`` and ``dp`` plans; the least peak is the lowest of theirs, or the
     flat ilp's when ``seconds`` allows ``THOROUGH_SECONDS`` per solve. ``seconds`` is shared out
     by the block's size (``SOLVE_SECONDS_PER_NODE`` and its siblings), not by the clock, so
     every run makes the same solves with the same limits. Below ``MIN_SOLVE_SECONDS`` per solve
@@ -217,8 +224,10 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     # overhead, refined starting plans 0.011 and 0.023 (CP-SAT's, given 6 s: 0.011 and 0.025).
     quick = per_solve < MIN_SOLVE_SECONDS
     quick_left = int(seconds / (QUICK_SECONDS_PER_NODE * nodes))  # starting plans paid for, in the loops' order
+    alone = block_graph(graph, block).baseline_peak_bytes
     for share in BALLAST_SHARES:
-        sub = block_graph(graph, block, int(share * activation))
+        ballast = int(share * activation)
+        sub = block_graph(graph, block, max(ballast, alone) if share == BALLAST_SHARES[-1] else ballast)
         top = sub.baseline_peak_bytes
         # The ranked policies warm-start each solve, and with sqrt's least-peak plan they set the
         # lowest budget tried when time is short: simulating them is cheap, where the least-peak
