@@ -205,7 +205,7 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     there are no flat solves: each budget's policy is the ilp's starting plan instead
     (``ilp.starting_plan``: those warm plans with keeps added or shed by ``solvers.refine``),
     for as many ballasts and budgets, in order, as ``seconds`` pays for."""
-    from ckptplan.solvers.ilp import solve_flat, starting_plan, warm_plans  # ilp imports this module
+    from ckptplan.solvers.ilp import solve_flat  # ilp imports this module
 
     length = block.end - block.start
     ranked = ranked_keep_policies(graph, block)
@@ -243,25 +243,7 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
                 least = sub.static.resident_bytes
             except InfeasibleBudgetError as error:
                 least = min(least, error.min_peak_bytes)
-
         frontier = Frontier()
-
-        def policy_at(
-            budget: int, sub: ComputeGraph = sub, starts: list[Plan] = starts, frontier: Frontier = frontier
-        ) -> Plan | None:
-            """The block graph's plan within ``budget`` (None if none is found), warm-started
-            from the plans found so far that fit."""
-            warm = [p for p in [*starts, *frontier.plans] if p.prediction.peak_bytes <= budget]
-            warm += warm_plans(sub, budget, slot)
-            if quick:
-                regions = starting_plan(sub, warm, budget)
-                return None if regions is None else solver_plan(
-                    sub, regions, budget, SolverInfo(name="refine", status="feasible", seconds=0.0))
-            try:
-                return solve_flat(sub, budget, time_limit=per_solve, warm=warm, announce=False, lazy=False)
-            except InfeasibleBudgetError:
-                return None
-
         frontier.add(top, solver_plan(sub, (), top, SolverInfo(name="none", status="optimal", seconds=0.0)))
         resolution = max(1, (top - least) // FRONTIER_RESOLUTION)
         for k in range(POLICY_BUDGETS + (FRONTIER_SOLVES if share == BALLAST_SHARES[-1] else 0)):
@@ -273,12 +255,32 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
                 resolution=resolution)
             if budget is None:
                 break
-            frontier.add(budget, policy_at(budget))
+            warm = [p for p in [*starts, *frontier.plans] if p.prediction.peak_bytes <= budget]
+            frontier.add(budget, _block_plan(sub, budget, warm, seconds=None if quick else per_solve, slot=slot))
         for plan in frontier.plans:
             clipped = tuple(Region(r.start, min(r.end, length), keep=r.keep) for r in plan.regions if r.start < length)
             if all(not r.children for r in clipped):
                 found.append(clipped)
     return list(dict.fromkeys(found))
+
+
+def _block_plan(
+    sub: ComputeGraph, budget: int, warm: list[Plan], *, seconds: float | None, slot: float
+) -> Plan | None:
+    """The block graph ``sub``'s plan within ``budget`` (None if none is found): the flat ilp's
+    with ``seconds``, or without (None) the ilp's starting plan. Either starts from ``warm`` and
+    from the ``sqrt`` and ``dp`` plans (``slot``: dp's limit)."""
+    from ckptplan.solvers.ilp import solve_flat, starting_plan, warm_plans  # ilp imports this module
+
+    warm = [*warm, *warm_plans(sub, budget, slot)]
+    if seconds is None:
+        regions = starting_plan(sub, warm, budget)
+        return None if regions is None else solver_plan(
+            sub, regions, budget, SolverInfo(name="refine", status="feasible", seconds=0.0))
+    try:
+        return solve_flat(sub, budget, time_limit=seconds, warm=warm, announce=False, lazy=False)
+    except InfeasibleBudgetError:
+        return None
 
 
 class Frontier:
@@ -287,7 +289,9 @@ class Frontier:
     that no plan peaking at ``x`` or less costs less than ``y``. So between two neighbours on
     the frontier, a (lower peak, costlier) and b, the plans still unexplored peak between the
     highest budget whose solve cost as much as a and b's peak; ``widest_gap`` names the middle
-    of the gap whose box (those bytes × the cost between a and b) is largest."""
+    of the gap whose box (those bytes × the cost between a and b) is largest. (Quick policies,
+    the ilp's starting plans, need not be the cheapest within their budget: for them this only
+    guides where to look.)"""
 
     def __init__(self) -> None:
         self.plans: list[Plan] = []  # the distinct plans found, in the order found
