@@ -251,10 +251,13 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
                 if quick_left <= 0:
                     break
                 quick_left -= 1
-            budget = least + (top - least) * k // POLICY_BUDGETS if k < POLICY_BUDGETS else frontier.widest_gap(
-                resolution=resolution)
-            if budget is None:
-                break
+            if k < POLICY_BUDGETS:
+                budget = least + (top - least) * k // POLICY_BUDGETS
+            else:
+                gap = frontier.widest_gap(resolution=resolution)
+                if gap is None:
+                    break
+                budget = gap
             warm = [p for p in [*starts, *frontier.plans] if p.prediction.peak_bytes <= budget]
             frontier.add(budget, _block_plan(sub, budget, warm, seconds=None if quick else per_solve, slot=slot))
         for plan in frontier.plans:

@@ -8,11 +8,11 @@ sits. So the search builds the model with the forward rows only (and
 ``IlpVars.bounding_clauses``; each row left out brings the variables only it reads when it
 joins, so this relaxation is a small model, not the whole one with rows missing), simulates
 every plan CP-SAT reports, and, as soon as one breaks the budget, adds the rows of the events
-where it does and searches again, hinted with the cheapest plan that fits. Every model along the way is a relaxation of the whole model, so each
-lower bound CP-SAT proves holds for the whole model too: the search is done, proven optimal,
-when the bound meets the cheapest plan the simulator accepts; and a relaxation without plans
-proves the budget infeasible. Branch-and-cut solvers treat rows too many to state up front the
-same way.
+where it does and searches again, hinted with the cheapest plan that fits. Every model along
+the way is a relaxation of the whole model, so each lower bound CP-SAT proves holds for the
+whole model too: the search is done, proven optimal, when the bound meets the cheapest plan the
+simulator accepts; and a relaxation without plans proves the budget infeasible. Branch-and-cut
+solvers treat rows too many to state up front the same way.
 
 Two uses, one loop: with one worker on CP-SAT's deterministic clock (the callback's decisions
 depend only on the plans, which one worker finds in a fixed order) the search is reproducible;
