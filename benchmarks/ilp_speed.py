@@ -82,7 +82,8 @@ def overhead(graph: ckptplan.ComputeGraph, budget: int, solver: str) -> str:
 
 
 def by_blocks(graph: ckptplan.ComputeGraph, budget: int, time_limit: float) -> tuple[str, float]:
-    """The block-by-block plan alone (what ``ilp`` does on graphs above 400 nodes), and its time."""
+    """The block-by-block plan alone (what ``ilp`` starts from on graphs above 400 nodes, and returns
+    there after ``keep_more`` when the limit leaves no proof phase), and its time."""
     started = time.perf_counter()
     try:
         plan = solve_hierarchical(graph, budget, time_limit=time_limit, warm=())

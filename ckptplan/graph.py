@@ -223,6 +223,16 @@ class ComputeGraph:
         return tuple(tuple(u) for u in users)
 
     @cached_property
+    def inplace_writers(self) -> dict[int, tuple[int, ...]]:
+        """``inplace_writers[s]``: the in-place nodes writing into storage ``s``, ascending."""
+        writers: dict[int, list[int]] = {}
+        for node in self.nodes:
+            if node.inplace:
+                for s in dict.fromkeys(node.outputs):
+                    writers.setdefault(s, []).append(node.index)
+        return {s: tuple(w) for s, w in writers.items()}
+
+    @cached_property
     def boundaries(self) -> frozenset[int]:
         """Positions k in 0..n where a region may start or end: no in-place op at or after k
         writes into an activation produced before k (recomputing from a region's inputs needs

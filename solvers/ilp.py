@@ -8,7 +8,8 @@ deterministic clock: half of it lazily, the rest in ``improve_locally``, a large
 search over windows of nodes on the whole model) leaves its time to the proof phase, the lazy
 search again with CP-SAT's parallel portfolio, which proves the plan optimal or finds a cheaper
 one. On graphs of repeated blocks, given time for a proof, the proof phase starts at once from
-the block-by-block plan (``solvers.blocks``) instead. The ``sqrt`` and ``dp`` plans warm-start
+the block-by-block plan (``solvers.blocks``) instead; on larger ones without that time, the
+block-by-block plan is the answer, after ``refine.add_keeps`` has kept more outputs where they fit. The ``sqrt`` and ``dp`` plans warm-start
 the search (as hints when they are one-level, after ``solvers.refine`` has added or shed keeps
 on them) and stay candidates: a time-limited solve never returns anything worse than them.
 Every plan is simulated before it is taken.
@@ -62,6 +63,13 @@ REFINE_MIN_SECONDS = 0.02
 # the machine's speed: one simulate took 7-26 us per node on ilp_speed's graphs here.
 SIMULATE_SECONDS_PER_NODE = 15e-6
 FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
+# Without a proof phase to follow, the block-by-block plan of a larger graph gets this share of
+# the limit in ``refine.add_keeps`` moves (``keep_more``). One simulate took 13-40 us per node on
+# such graphs here (the 23-layer GPT-2 of ilp_speed; GPT-3's 4,575 nodes: 0.12-0.18 s within one
+# hour), so a move is priced at the top of that: the moves then fit the time the block policies
+# (GLOBAL_SHARE of the limit) leave.
+LARGE_REFINE_SHARE = 0.3
+LARGE_SIMULATE_SECONDS_PER_NODE = 40e-6
 # Up to this many nodes, the proof phase runs on the whole graph after the block-by-block plan when
 # the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 70% of its peak, 60 s: proven in
 # 24 s at 12 layers (555 nodes), gap 0.03 at 23 (1,006 nodes; ``benchmarks/RESULTS.md``). Larger
@@ -254,8 +262,8 @@ def solve_ilp(
     has at most ``PROOF_MAX_NODES`` nodes, the proof phase then runs on the whole graph from the
     cheapest warm plan, with the rest of the limit (``solve_flat(proof_only=True)``): from a
     block-by-block start it proves in seconds what the one-worker search would spend its time
-    approaching. Otherwise graphs above ``FLAT_MAX_NODES`` nodes return the block-by-block plan,
-    and smaller ones, or ones without repeated blocks, are searched whole (``solve_flat``) with
+    approaching. Otherwise graphs above ``FLAT_MAX_NODES`` nodes return the block-by-block plan
+    with more outputs kept where they fit (``keep_more``), and smaller ones, or ones without repeated blocks, are searched whole (``solve_flat``) with
     the block-by-block plan among the warm starts.
     """
     started = time.perf_counter()
@@ -267,7 +275,7 @@ def solve_ilp(
     if large and not provable:
         plan = solve_hierarchical(graph, budget_bytes, time_limit=limit, warm=warm)
         if plan is not None:
-            return plan
+            return keep_more(graph, plan, budget_bytes, limit=limit)
     share = blocks_share(graph, limit)
     try:
         by_blocks = solve_hierarchical(graph, budget_bytes, time_limit=limit * share, warm=())
@@ -334,6 +342,32 @@ def solve_hierarchical(
             name="ilp", status="feasible", seconds=time.perf_counter() - started,
             note=f"the {best.solver.name} plan is cheaper than the block-by-block plan ({dec.describe()})")})
     return plan
+
+
+def keep_more(graph: ComputeGraph, plan: Plan, budget_bytes: int, *, limit: float) -> Plan:
+    """``plan`` after ``refine.add_keeps`` with ``LARGE_REFINE_SHARE`` of ``limit`` in moves (at
+    ``LARGE_SIMULATE_SECONDS_PER_NODE`` each); ``plan`` itself when it is nested, when no keep
+    both fits and recomputes less, or on Ctrl-C (during the moves or before them).
+
+    The block-by-block plan picks each block's policy from a menu of whole-block solves; a keep
+    added where another block's backward leaves room is a choice the menu cannot make
+    (GPT-3 at 80 GB: 18.6% of the step with auto's 30 s, 18.2% after its 49 moves)."""
+    if stopped.is_set() or any(region.children for region in plan.regions):
+        return plan
+    started = time.perf_counter()
+    count = int(LARGE_REFINE_SHARE * limit / (LARGE_SIMULATE_SECONDS_PER_NODE * len(graph.nodes)))
+    try:
+        regions = add_keeps(graph, plan.regions, budget_bytes, moves=Moves(count))
+    except KeyboardInterrupt:
+        stopped.set()
+        return plan
+    if regions == plan.regions:
+        return plan
+    added = sum(len(r.keep) for r in regions) - sum(len(r.keep) for r in plan.regions)
+    solver = plan.solver
+    return solver_plan(graph, regions, budget_bytes, solver.model_copy(update={
+        "seconds": solver.seconds + time.perf_counter() - started,
+        "note": f"{solver.note}; then {added} more output(s) kept by refine.add_keeps"}))
 
 
 def _gap(optimal: bool, cost: float, bound: float) -> float:

@@ -13,7 +13,7 @@ import ckptplan
 from ckptplan.repeats import find_blocks
 from ckptplan.simulation import simulate
 from ckptplan.solvers import blocks
-from ckptplan.solvers.ilp import FLAT_MAX_NODES, solve_hierarchical
+from ckptplan.solvers.ilp import FLAT_MAX_NODES, keep_more, solve_hierarchical
 from ckptplan.solvers.sqrt import solve_sqrt
 from ckptplan.units import parse_budget
 from tests.conftest import assert_same_gradients, load_example
@@ -121,10 +121,16 @@ def test_block_by_block_plans_fit_and_beat_sqrt(gpt, fraction: float) -> None:
     assert plan.prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
 
 
-def test_large_graphs_of_blocks_are_solved_block_by_block_and_deterministically() -> None:
-    model, args = small_gpt(n_layer=18)
-    graph = ckptplan.profile(model, args)
+@pytest.fixture(scope="module")
+def gpt18() -> ckptplan.ComputeGraph:
+    """A graph above ``FLAT_MAX_NODES``: 18 layers."""
+    graph = ckptplan.profile(*small_gpt(n_layer=18))
     assert len(graph.nodes) > FLAT_MAX_NODES
+    return graph
+
+
+def test_large_graphs_of_blocks_are_solved_block_by_block_and_deterministically(gpt18) -> None:
+    graph = gpt18
 
     def plan_json() -> str:
         plan = ckptplan.solve(graph, 0.6, solver="ilp", time_limit=3)
@@ -134,6 +140,22 @@ def test_large_graphs_of_blocks_are_solved_block_by_block_and_deterministically(
     assert "block by block" in first and first == plan_json()
     auto = ckptplan.solve(graph, 0.6, time_limit=3)
     assert "dp skipped" in auto.solver.note
+
+
+def test_keep_more_keeps_outputs_where_they_fit_and_recompute_less(gpt18) -> None:
+    """``keep_more``, the last step on graphs above ``FLAT_MAX_NODES``: from √N's whole-region
+    plan it must find keeps that fit (each move is simulated), and with no moves it changes nothing."""
+    graph = gpt18
+    budget = parse_budget(0.6, graph.baseline_peak_bytes)
+    start = solve_sqrt(graph, budget)
+    refined = keep_more(graph, start, budget, limit=3)
+    report = simulate(graph, refined)
+    assert report.peak_bytes <= budget and refined.prediction.peak_bytes == report.peak_bytes
+    assert report.cost_seconds < simulate(graph, start).cost_seconds
+    added = sum(len(r.keep) for r in refined.regions) - sum(len(r.keep) for r in start.regions)
+    assert [(r.start, r.end) for r in refined.regions] == [(r.start, r.end) for r in start.regions]
+    assert added > 0 and refined.solver.note.endswith(f"then {added} more output(s) kept by refine.add_keeps")
+    assert keep_more(graph, start, budget, limit=0) is start
 
 
 def test_block_by_block_plan_runs_with_equal_gradients_and_measured_peak(gpt) -> None:
