@@ -1,7 +1,8 @@
 """The ``ilp`` solver against ``sqrt`` and ``dp`` in one process: model size, time, status, gap
 and the recompute overhead of each plan, on the examples and a ``transformers`` GPT-2.
 
-    python benchmarks/ilp_speed.py [--time-limit 60] [--workers 1] [--proof-only | --limits 2,6,15]
+    python benchmarks/ilp_speed.py [--time-limit 60] [--workers 1]
+                                   [--proof-only | --limits 2,6,15 [--solver ilp|auto]]
                                    [--graphs unet,resnet,gpt,gpt2:2]
 
 Each graph is solved at 70% and 50% of its no-checkpoint peak. ``ilp`` runs with the given time
@@ -13,8 +14,9 @@ CP-SAT's proven relative gap (1.0: no lower bound better than zero was proven), 
 what the proof phase (``solvers.ilp_lazy``, ``proof_workers()`` workers) needed of the memory rows it leaves
 out (absent when the reproducible search proved the plan itself). Prints a Markdown table.
 
-``--limits 2,6,15``: instead, ``ilp`` at each of those time limits: the seconds it took against
-the limit asked, and the plan's overhead (does it keep to its limit?).
+``--limits 2,6,15``: instead, ``ilp`` (or with ``--solver auto``, ``auto``) at each of those time
+limits: the seconds it took against the limit asked, and the plan's overhead (does it keep to
+its limit?).
 
 ``--proof-only``: the proof phase alone (``search_lazily`` with ``proof_workers()`` workers) from
 the block-by-block plan (or ``sqrt``'s, where the blocks find none), given the whole time limit:
@@ -130,8 +132,8 @@ def proof_only(graphs: dict[str, ckptplan.ComputeGraph], time_limit: float) -> N
                   f"{proof.constraints:,} | {proof.seconds:.1f} |", flush=True)
 
 
-def limits(graphs: dict[str, ckptplan.ComputeGraph], seconds: list[float]) -> None:
-    print("| graph | nodes | budget | limit s | ilp s | over the limit s | overhead | status |")
+def limits(graphs: dict[str, ckptplan.ComputeGraph], seconds: list[float], solver: str) -> None:
+    print(f"| graph | nodes | budget | limit s | {solver} s | over the limit s | overhead | status |")
     print("|---|---|---|---|---|---|---|---|")
     for name, graph in graphs.items():
         for fraction in FRACTIONS:
@@ -139,7 +141,7 @@ def limits(graphs: dict[str, ckptplan.ComputeGraph], seconds: list[float]) -> No
             for limit in seconds:
                 started = time.perf_counter()
                 try:
-                    plan = solve_ilp(graph, budget, time_limit=limit)
+                    plan = ckptplan.solve(graph, budget, solver=solver, time_limit=limit)
                     overhead, status = f"{plan.prediction.overhead:.3f}", plan.solver.status
                 except InfeasibleBudgetError:
                     overhead, status = "-", "infeasible"
@@ -154,6 +156,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--proof-only", action="store_true", help="the proof phase alone, from the block-by-block plan")
     parser.add_argument("--limits", help="comma-separated time limits: the seconds ilp takes at each")
+    parser.add_argument("--solver", default="ilp", choices=("ilp", "auto"),
+                        help="the solver --limits times: ilp alone, or auto (sqrt and dp first, their plans its warm starts)")
     parser.add_argument("--graphs", default=",".join(DEFAULT_GRAPHS),
                         help="examples by name and gpt2:N, a transformers GPT-2 of N layers "
                              f"(default {','.join(DEFAULT_GRAPHS)})")
@@ -173,7 +177,7 @@ def main() -> None:
         proof_only(graphs, options.time_limit)
         return
     if options.limits:
-        limits(graphs, [float(x) for x in options.limits.split(",")])
+        limits(graphs, [float(x) for x in options.limits.split(",")], options.solver)
         return
     print("| graph | nodes | variables | constraints | build s | budget | sqrt overhead | dp overhead "
           "| block-by-block overhead | s | start overhead | ilp overhead | ilp status | gap | ilp s | proof phase |")

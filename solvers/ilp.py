@@ -63,12 +63,19 @@ REFINE_MIN_SECONDS = 0.02
 # the machine's speed: one simulate took 7-26 us per node on ilp_speed's graphs here.
 SIMULATE_SECONDS_PER_NODE = 15e-6
 FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
-# Without a proof phase to follow, the block-by-block plan of a larger graph gets this share of
-# the limit in ``refine.add_keeps`` moves (``keep_more``). One simulate took 13-40 us per node on
-# such graphs here (the 23-layer GPT-2 of ilp_speed; GPT-3's 4,575 nodes: 0.12-0.18 s within one
-# hour), so a move is priced at the top of that: the moves then fit the time the block policies
-# (GLOBAL_SHARE of the limit) leave.
-LARGE_REFINE_SHARE = 0.3
+# Of ``solve_hierarchical``'s limit, the block policies' (``blocks.decompose``): half, where the
+# block-by-block plan is a warm start or where ``sqrt``'s plan is made within the same limit.
+POLICY_SHARE = 0.5
+# Without a proof phase to follow, on a larger graph with warm plans given (as ``auto`` gives
+# them), the block policies get LARGE_POLICY_SHARE of the limit and ``keep_more`` then
+# LARGE_REFINE_SHARE in ``refine.add_keeps`` moves. Longer block solves pay there: the 12- and
+# 23-layer GPT-2s at 50% of their peak with 30 s cost 0.029 and 0.025 of the step with 0.7,
+# 0.043 and 0.039 with 0.5 (in 16 and 15 s; GPT-3 at 80 GB: 18.2% both ways, in 24 s). One
+# simulate took 13-40 us per node on such graphs here (GPT-3's 4,575 nodes: 0.12-0.18 s within
+# one hour), so a move is priced at the top of that; moves past the first 24 kept nothing more
+# on GPT-3 (18.6% of the step before them, 18.2% after 24, 49 or 400).
+LARGE_POLICY_SHARE = 0.7
+LARGE_REFINE_SHARE = 0.15
 LARGE_SIMULATE_SECONDS_PER_NODE = 40e-6
 # Up to this many nodes, the proof phase runs on the whole graph after the block-by-block plan when
 # the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 70% of its peak, 60 s: proven in
@@ -273,7 +280,8 @@ def solve_ilp(
         return solve_flat(graph, budget_bytes, time_limit=limit)
     large, provable = len(graph.nodes) > FLAT_MAX_NODES, proof_follows(graph, limit)
     if large and not provable:
-        plan = solve_hierarchical(graph, budget_bytes, time_limit=limit, warm=warm)
+        plan = solve_hierarchical(graph, budget_bytes, time_limit=limit, warm=warm,
+                                  policy_share=POLICY_SHARE if warm is None else LARGE_POLICY_SHARE)
         if plan is not None:
             return keep_more(graph, plan, budget_bytes, limit=limit)
     share = blocks_share(graph, limit)
@@ -302,15 +310,20 @@ def blocks_share(graph: ComputeGraph, limit: float) -> float:
 
 
 def solve_hierarchical(
-    graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None, warm: Sequence[Plan] | None = None
+    graph: ComputeGraph,
+    budget_bytes: int,
+    *,
+    time_limit: float | None = None,
+    warm: Sequence[Plan] | None = None,
+    policy_share: float = POLICY_SHARE,
 ) -> Plan | None:
-    """``solvers.blocks`` on ``graph``; None when it has no repeated blocks. Half the time limit
-    goes to finding block policies; ``warm`` plans (default: ``sqrt``'s) are returned instead
-    when cheaper, or when the decomposition finds no plan."""
+    """``solvers.blocks`` on ``graph``; None when it has no repeated blocks. ``policy_share`` of
+    the time limit goes to finding block policies; ``warm`` plans (default: ``sqrt``'s, made
+    after them) are returned instead when cheaper, or when the decomposition finds no plan."""
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     stopped.clear()
-    found = blocks.decompose(graph, seconds=limit * GLOBAL_SHARE)
+    found = blocks.decompose(graph, seconds=limit * policy_share)
     if found is None:
         return None
     dec, windows = found
@@ -351,7 +364,7 @@ def keep_more(graph: ComputeGraph, plan: Plan, budget_bytes: int, *, limit: floa
 
     The block-by-block plan picks each block's policy from a menu of whole-block solves; a keep
     added where another block's backward leaves room is a choice the menu cannot make
-    (GPT-3 at 80 GB: 18.6% of the step with auto's 30 s, 18.2% after its 49 moves)."""
+    (GPT-3 at 80 GB: 18.6% of the step with auto's 30 s, 18.2% after its 24 moves)."""
     if stopped.is_set() or any(region.children for region in plan.regions):
         return plan
     started = time.perf_counter()

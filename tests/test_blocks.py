@@ -13,7 +13,14 @@ import ckptplan
 from ckptplan.repeats import find_blocks
 from ckptplan.simulation import simulate
 from ckptplan.solvers import blocks
-from ckptplan.solvers.ilp import FLAT_MAX_NODES, keep_more, solve_hierarchical
+from ckptplan.solvers.ilp import (
+    FLAT_MAX_NODES,
+    LARGE_POLICY_SHARE,
+    POLICY_SHARE,
+    keep_more,
+    solve_hierarchical,
+    solve_ilp,
+)
 from ckptplan.solvers.sqrt import solve_sqrt
 from ckptplan.units import parse_budget
 from tests.conftest import assert_same_gradients, load_example
@@ -140,6 +147,27 @@ def test_large_graphs_of_blocks_are_solved_block_by_block_and_deterministically(
     assert "block by block" in first and first == plan_json()
     auto = ckptplan.solve(graph, 0.6, time_limit=3)
     assert "dp skipped" in auto.solver.note
+
+
+def test_block_policies_get_more_of_the_limit_when_warm_plans_are_given(gpt18, monkeypatch) -> None:
+    """Without a proof phase to follow, ``ilp`` on a large graph gives the block policies
+    ``POLICY_SHARE`` of its limit when it must make ``sqrt``'s plan itself, and
+    ``LARGE_POLICY_SHARE`` when given warm plans (as ``auto`` gives them)."""
+    asked: list[float] = []
+    decompose = blocks.decompose
+
+    def recording(graph, *, seconds):
+        asked.append(seconds)
+        return decompose(graph, seconds=seconds)
+
+    monkeypatch.setattr(blocks, "decompose", recording)
+    budget = parse_budget(0.6, gpt18.baseline_peak_bytes)
+    warm = [solve_sqrt(gpt18, budget)]
+    for given in (None, warm):
+        plan = solve_ilp(gpt18, budget, time_limit=3, warm=given)
+        assert simulate(gpt18, plan).peak_bytes <= budget
+    assert asked == [pytest.approx(3 * POLICY_SHARE), pytest.approx(3 * LARGE_POLICY_SHARE)]
+    assert POLICY_SHARE < LARGE_POLICY_SHARE
 
 
 def test_keep_more_keeps_outputs_where_they_fit_and_recompute_less(gpt18) -> None:
