@@ -67,7 +67,8 @@ FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by blo
 # block-by-block plan is a warm start or where ``sqrt``'s plan is made within the same limit.
 POLICY_SHARE = 0.5
 # Without a proof phase to follow, on a larger graph with warm plans given (as ``auto`` gives
-# them), the block policies get LARGE_POLICY_SHARE of the limit and ``keep_more`` then
+# them), the block policies get LARGE_POLICY_SHARE of the limit (if LARGE_POLICY_MIN_SECONDS or
+# more) and ``keep_more`` then
 # LARGE_REFINE_SHARE in ``refine.add_keeps`` moves. Longer block solves pay there: the 12- and
 # 23-layer GPT-2s at 50% of their peak with 30 s cost 0.029 and 0.025 of the step with 0.7,
 # 0.043 and 0.039 with 0.5 (in 16 and 15 s; GPT-3 at 80 GB: 18.2% both ways, in 24 s). One
@@ -75,6 +76,10 @@ POLICY_SHARE = 0.5
 # one hour), so a move is priced at the top of that; moves past the first 24 kept nothing more
 # on GPT-3 (18.6% of the step before them, 18.2% after 24, 49 or 400).
 LARGE_POLICY_SHARE = 0.7
+# Below this limit the block policies are quick ones (refined starting plans, no CP-SAT), which
+# gained nothing from the larger share at 2 and 6 s on those GPT-2s and ran up to 0.8 s over 2 s
+# (``ilp_speed.py --limits 2,6,20,30 --solver auto``), so they keep POLICY_SHARE there.
+LARGE_POLICY_MIN_SECONDS = 10.0
 LARGE_REFINE_SHARE = 0.15
 LARGE_SIMULATE_SECONDS_PER_NODE = 40e-6
 # Up to this many nodes, the proof phase runs on the whole graph after the block-by-block plan when
@@ -280,8 +285,9 @@ def solve_ilp(
         return solve_flat(graph, budget_bytes, time_limit=limit)
     large, provable = len(graph.nodes) > FLAT_MAX_NODES, proof_follows(graph, limit)
     if large and not provable:
+        longer = warm is not None and limit >= LARGE_POLICY_MIN_SECONDS
         plan = solve_hierarchical(graph, budget_bytes, time_limit=limit, warm=warm,
-                                  policy_share=POLICY_SHARE if warm is None else LARGE_POLICY_SHARE)
+                                  policy_share=LARGE_POLICY_SHARE if longer else POLICY_SHARE)
         if plan is not None:
             return keep_more(graph, plan, budget_bytes, limit=limit)
     share = blocks_share(graph, limit)

@@ -12,7 +12,7 @@ import torch
 import ckptplan
 from ckptplan.repeats import find_blocks
 from ckptplan.simulation import simulate
-from ckptplan.solvers import blocks
+from ckptplan.solvers import blocks, ilp
 from ckptplan.solvers.ilp import (
     FLAT_MAX_NODES,
     LARGE_POLICY_SHARE,
@@ -151,8 +151,8 @@ def test_large_graphs_of_blocks_are_solved_block_by_block_and_deterministically(
 
 def test_block_policies_get_more_of_the_limit_when_warm_plans_are_given(gpt18, monkeypatch) -> None:
     """Without a proof phase to follow, ``ilp`` on a large graph gives the block policies
-    ``POLICY_SHARE`` of its limit when it must make ``sqrt``'s plan itself, and
-    ``LARGE_POLICY_SHARE`` when given warm plans (as ``auto`` gives them)."""
+    ``POLICY_SHARE`` of its limit when it must make ``sqrt``'s plan itself or the limit is short,
+    and ``LARGE_POLICY_SHARE`` when given warm plans (as ``auto`` gives them) and time."""
     asked: list[float] = []
     decompose = blocks.decompose
 
@@ -163,10 +163,11 @@ def test_block_policies_get_more_of_the_limit_when_warm_plans_are_given(gpt18, m
     monkeypatch.setattr(blocks, "decompose", recording)
     budget = parse_budget(0.6, gpt18.baseline_peak_bytes)
     warm = [solve_sqrt(gpt18, budget)]
-    for given in (None, warm):
-        plan = solve_ilp(gpt18, budget, time_limit=3, warm=given)
+    monkeypatch.setattr(ilp, "LARGE_POLICY_MIN_SECONDS", 3.0)  # a long limit, for this test's purpose
+    for given, limit in ((None, 3.0), (warm, 3.0), (warm, 2.5)):
+        plan = solve_ilp(gpt18, budget, time_limit=limit, warm=given)
         assert simulate(gpt18, plan).peak_bytes <= budget
-    assert asked == [pytest.approx(3 * POLICY_SHARE), pytest.approx(3 * LARGE_POLICY_SHARE)]
+    assert asked == pytest.approx([3 * POLICY_SHARE, 3 * LARGE_POLICY_SHARE, 2.5 * POLICY_SHARE])
     assert POLICY_SHARE < LARGE_POLICY_SHARE
 
 
