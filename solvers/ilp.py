@@ -9,10 +9,10 @@ search over windows of nodes on the whole model) leaves its time to the proof ph
 search again with CP-SAT's parallel portfolio, which proves the plan optimal or finds a cheaper
 one. On graphs of repeated blocks, given time for a proof, the proof phase starts at once from
 the block-by-block plan (``solvers.blocks``) instead; on larger ones without that time, the
-block-by-block plan is the answer, after ``refine.add_keeps`` has kept more outputs where they fit. The ``sqrt`` and ``dp`` plans warm-start
-the search (as hints when they are one-level, after ``solvers.refine`` has added or shed keeps
-on them) and stay candidates: a time-limited solve never returns anything worse than them.
-Every plan is simulated before it is taken.
+block-by-block plan is the answer, after ``refine.add_keeps`` has kept more outputs where they
+fit. The ``sqrt`` and ``dp`` plans warm-start the search (as hints when they are one-level, after
+``solvers.refine`` has added or shed keeps on them) and stay candidates: a time-limited solve
+never returns anything worse than them. Every plan is simulated before it is taken.
 """
 
 from __future__ import annotations
@@ -67,14 +67,13 @@ FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by blo
 # block-by-block plan is a warm start or where ``sqrt``'s plan is made within the same limit.
 POLICY_SHARE = 0.5
 # Without a proof phase to follow, on a larger graph with warm plans given (as ``auto`` gives
-# them), the block policies get LARGE_POLICY_SHARE of the limit (if LARGE_POLICY_MIN_SECONDS or
-# more) and ``keep_more`` then
-# LARGE_REFINE_SHARE in ``refine.add_keeps`` moves. Longer block solves pay there: the 12- and
-# 23-layer GPT-2s at 50% of their peak with 30 s cost 0.029 and 0.025 of the step with 0.7,
-# 0.043 and 0.039 with 0.5 (in 16 and 15 s; GPT-3 at 80 GB: 18.2% both ways, in 24 s). One
-# simulate took 13-40 us per node on such graphs here (GPT-3's 4,575 nodes: 0.12-0.18 s within
-# one hour), so a move is priced at the top of that; moves past the first 24 kept nothing more
-# on GPT-3 (18.6% of the step before them, 18.2% after 24, 49 or 400).
+# them) and at least LARGE_POLICY_MIN_SECONDS, the block policies get LARGE_POLICY_SHARE of the
+# limit; then ``keep_more`` gets LARGE_REFINE_SHARE of it in ``refine.add_keeps`` moves. Longer
+# block solves pay there: with ``auto`` at 30 s, the 12- and 23-layer GPT-2s at 50% of their
+# peak cost 0.029 and 0.025 of the step with 0.7 (in 16 s), 0.043 and 0.039 with 0.5; GPT-3 at
+# 80 GB 17.8% of the step, 18.2% with 0.5. One simulate took 13-40 us per node on such graphs
+# here (GPT-3's 4,575 nodes: 0.12-0.18 s within one hour), so a move is priced at the top of
+# that; moves past the first 24 kept nothing more on GPT-3 (18.2% after 24, 49 or 400).
 LARGE_POLICY_SHARE = 0.7
 # Below this limit the block policies are quick ones (refined starting plans, no CP-SAT), which
 # gained nothing from the larger share at 2 and 6 s on those GPT-2s and ran up to 0.8 s over 2 s
@@ -85,7 +84,7 @@ LARGE_SIMULATE_SECONDS_PER_NODE = 40e-6
 # Up to this many nodes, the proof phase runs on the whole graph after the block-by-block plan when
 # the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 70% of its peak, 60 s: proven in
 # 24 s at 12 layers (555 nodes), gap 0.03 at 23 (1,006 nodes; ``benchmarks/RESULTS.md``). Larger
-# graphs (GPT-3's 5,147 nodes) get the block-by-block plan alone: a proof phase there is unmeasured.
+# graphs (GPT-3's 4,575 nodes) get the block-by-block plan and ``keep_more``: a proof phase there is unmeasured.
 PROOF_MAX_NODES = 1_200
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
 HIERARCHICAL_SHARE = 0.25  # of the time limit, without a proof phase to follow: the block-by-block warm start
@@ -275,8 +274,9 @@ def solve_ilp(
     cheapest warm plan, with the rest of the limit (``solve_flat(proof_only=True)``): from a
     block-by-block start it proves in seconds what the one-worker search would spend its time
     approaching. Otherwise graphs above ``FLAT_MAX_NODES`` nodes return the block-by-block plan
-    with more outputs kept where they fit (``keep_more``), and smaller ones, or ones without repeated blocks, are searched whole (``solve_flat``) with
-    the block-by-block plan among the warm starts.
+    with more outputs kept where they fit (``keep_more``; its policies get ``LARGE_POLICY_SHARE``
+    of the limit when ``warm`` plans are given), and smaller ones, or ones without repeated
+    blocks, are searched whole (``solve_flat``) with the block-by-block plan among the warm starts.
     """
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
