@@ -72,7 +72,8 @@ POLICY_SHARE = 0.5
 # limit; then ``keep_more`` gets LARGE_REFINE_SHARE of it in ``refine.add_keeps`` moves. Longer
 # block solves pay there: with ``auto`` at 30 s, the 12- and 23-layer GPT-2s at 50% of their
 # peak cost 0.029 and 0.025 of the step with 0.7 (in 16 s), 0.043 and 0.039 with 0.5; GPT-3 at
-# 80 GB 17.8% of the step, 18.2% with 0.5. One simulate took 13-40 us per node on such graphs
+# 80 GB 17.8-18.2% of the step in three runs, 18.2% in two with 0.5 (its block solves end on the
+# wall clock too, so runs differ). One simulate took 13-40 us per node on such graphs
 # here (GPT-3's 4,575 nodes: 0.12-0.18 s within one hour), so a move is priced at the top of
 # that; moves past the first 24 kept nothing more on GPT-3 (18.2% after 24, 49 or 400).
 LARGE_POLICY_SHARE = 0.7
