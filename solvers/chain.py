@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptplan.graph import ComputeGraph
+from ckptplan.sharding import unit_edges
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,16 @@ class Chain:
     node_count: int
     region_cost: float = 0.0  # seconds each region's machinery adds (``graph.region_cost``)
     region_op_cost: float = 0.0  # and each node of it (``graph.region_op_cost``)
+    # Per stage k, the last stage a region starting at k may end at (k - 1: none may start
+    # there): a region may not span an FSDP unit edge. Empty: no such limit.
+    region_last_stage: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.starts)
+
+    def last_region_stage(self, k: int) -> int:
+        """The last stage a region starting at stage k may end at (k - 1 when none may start there)."""
+        return self.region_last_stage[k] if self.region_last_stage else len(self.starts) - 1
 
     def span(self, k: int) -> tuple[int, int]:
         """Node range ``[start, end)`` of stage k."""
@@ -98,8 +106,12 @@ def stage_starts(graph: ComputeGraph, max_stages: int = 32, skip_share: float = 
             across[k].append(s)
     crossing = [sum(graph.storages[s].nbytes for s in storages) for storages in across]
     cuts = []
+    edges = set(unit_edges(graph))
     for k in range(1, n):
         if k not in graph.boundaries:
+            continue
+        if k in edges:  # a region may end here and no later (``Chain.region_last_stage``)
+            cuts.append(k)
             continue
         previous = cuts[-1] if cuts else 0
         skipped = sum(graph.storages[s].nbytes for s in across[k] if graph.storages[s].producer < previous)
@@ -222,8 +234,24 @@ def build_chain(graph: ComputeGraph, starts: list[int] | None = None) -> Chain:
         node_count=n,
         region_cost=graph.region_cost,
         region_op_cost=graph.region_op_cost,
+        region_last_stage=_region_last_stages(graph, starts),
         **{name: tuple(values) for name, values in fields.items()},
     )
+
+
+def _region_last_stages(graph: ComputeGraph, starts: list[int]) -> tuple[int, ...]:
+    """``Chain.region_last_stage`` for stages at ``starts``: a region from stage k may run up to
+    the first FSDP unit edge after the stage's start, and not at all from a stage that spans one."""
+    edges = unit_edges(graph)
+    if not edges:
+        return ()
+    n = len(graph.nodes)
+    ends = [*starts[1:], n]
+    last = []
+    for k, start in enumerate(starts):
+        edge = next((e for e in edges if e > start), n)
+        last.append(max((d for d in range(k, len(starts)) if ends[d] <= edge), default=k - 1))
+    return tuple(last)
 
 
 def _bytes(graph: ComputeGraph, storages: set[int]) -> int:

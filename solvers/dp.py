@@ -116,7 +116,7 @@ class ChainDP(StageUnits):
         rin_b = self._in(k) if not ihb else 0
         # Children that end before the frame does run forward inside it; in a region's recompute,
         # a child ending with it is where early stop ends the recompute, so its forward is skipped.
-        last_run = b - 1 if region else b
+        last_run = min(b - 1 if region else b, self.chain.last_region_stage(k))
         peak_none = 0
         for d in range(k, last_run + 1):
             peak_none = max(peak_none, (self.X[d - 1] if d > k else 0) + self.f_none[d]
@@ -125,7 +125,7 @@ class ChainDP(StageUnits):
                 break  # a longer child's forward only needs more
             sweep_cost = self.prefix_cost[d + 1] - self.prefix_cost[k] if region else 0.0
             best = self._with_child(best, k, d, b, region, ms, mb, rin_s, rin_b, ihb, sweep_cost)
-        if region and not first and ms + ctx + rin_s + skips <= budget:
+        if region and not first and b <= self.chain.last_region_stage(k) and ms + ctx + rin_s + skips <= budget:
             best = self._with_child(best, k, b, b, region, ms, mb, rin_s, rin_b, ihb, 0.0)
         return best
 

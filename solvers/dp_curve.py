@@ -238,11 +238,12 @@ class CurveDP(StageUnits):
         ctx = self._ctx(b, region)
         rin_s, rin_b = self._child_inputs(k, ihs, ihb)
         skips = self.skip_bwd[b] if region else 0
-        last_run = b - 1 if region else b
+        last_run = min(b - 1 if region else b, self.chain.last_region_stage(k))
         room = U - delta - ctx - rin_s - skips
         need = self._forward_need[not region][k, k:last_run + 1]
         count = int(np.count_nonzero(need <= room))
-        whole = region and not first and room >= 0  # the child spanning the frame: early stop skips its forward
+        # The child spanning the frame: early stop skips its forward.
+        whole = region and not first and room >= 0 and b <= self.chain.last_region_stage(k)
         if (count == 0 and not whole) or rin_b > U:
             return choice
         top_level = not region

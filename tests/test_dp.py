@@ -71,17 +71,22 @@ def test_dp_matches_exhaustive_nested_search(sizes: list[int], saves_output: boo
     param_bytes=st.sampled_from([8, 64]),
     mem_unit=st.sampled_from([1, 8, 24]),
     region_nodes=st.sampled_from([0, 1, 3]),
+    unit_stages=st.sampled_from([0, 2, 3]),
 )
 def test_cost_curve_matches_the_reference_dp_at_every_budget(
-    sizes: list[int], saves_output: bool, param_bytes: int, mem_unit: int, region_nodes: int
+    sizes: list[int], saves_output: bool, param_bytes: int, mem_unit: int, region_nodes: int, unit_stages: int
 ) -> None:
     """The vectorised DP (one pass, every budget) against the memoised reference, one budget
     at a time: equal costs and the same plans; each region may cost as much as
-    ``region_nodes`` recomputed nodes, and each node in it a third of one."""
+    ``region_nodes`` recomputed nodes, and each node in it a third of one; with ``unit_stages``,
+    no region may span an edge placed every that many stages (FSDP units)."""
     graph = chain_graph(sizes, saves_output=saves_output, param_bytes=param_bytes)
     node_cost = max(n.fwd_cost for n in graph.nodes)
     graph = replace(graph, region_cost=region_nodes * node_cost, region_op_cost=(region_nodes > 0) * node_cost / 3)
     chain = build_chain(graph)
+    if unit_stages:
+        last = tuple(min(len(chain), (k // unit_stages + 1) * unit_stages) - 1 for k in range(len(chain)))
+        chain = replace(chain, region_last_stage=last)
     top = graph.baseline_peak_bytes + 2 * mem_unit
     curve = cost_curve(chain, top, mem_unit)
     for budget in range(graph.static.resident_bytes - mem_unit, top + 1, max(1, mem_unit // 2)):
@@ -89,6 +94,9 @@ def test_cost_curve_matches_the_reference_dp_at_every_budget(
         assert curve.cost(budget) == cost, f"budget {budget}"
         if cost < INF:
             assert curve.regions(budget) == regions
+            for region in regions:
+                first = chain.starts.index(region.start)
+                assert region.end <= chain.span(chain.last_region_stage(first))[1]
 
 
 def test_cost_curve_matches_the_reference_dp_on_a_graph_with_skips() -> None:
