@@ -7,16 +7,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ckptplan.build import solver_plan
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import BudgetInfo, Plan
 from ckptplan.repeats import find_blocks
+from ckptplan.sharding import split_at_unit_edges
 from ckptplan.simulation import simulate
 from ckptplan.solvers import dp as _dp  # noqa: F401  (registers "dp")
 from ckptplan.solvers import ilp as _ilp  # registers "ilp"; auto calls it with warm starts
 from ckptplan.solvers import sqrt as _sqrt  # noqa: F401  (registers "sqrt")
 from ckptplan.solvers.registry import available_solvers, get_solver, register
-from ckptplan.solvers.unit_cut import at_unit_edges
 from ckptplan.units import describe_bytes, parse_budget
 
 __all__ = ["available_solvers", "register", "solve"]
@@ -74,6 +75,25 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | No
     return best.model_copy(
         update={"solver": best.solver.model_copy(update={"note": note, "seconds": time.perf_counter() - started})}
     )
+
+
+def at_unit_edges(graph: ComputeGraph, plan: Plan, budget_bytes: int) -> Plan:
+    """``plan`` with its regions cut at FSDP unit edges (``sharding.split_at_unit_edges``), which
+    the emitted module needs; raises ``InfeasibleBudgetError`` if the cut plan no longer fits."""
+    regions = split_at_unit_edges(graph, plan.regions)
+    if regions == plan.regions:
+        return plan
+    report = simulate(graph, regions)
+    if report.peak_bytes > budget_bytes:
+        raise InfeasibleBudgetError(
+            f"The {plan.solver.name} plan no longer fits {describe_bytes(budget_bytes)} once its regions are cut at "
+            f"the shard units' edges ({describe_bytes(report.peak_bytes)}); try --solver ilp, whose large-graph "
+            "plans stay inside blocks, or raise the budget.",
+            budget_bytes=budget_bytes,
+            min_peak_bytes=report.peak_bytes,
+        )
+    note = f"{plan.solver.note}; regions cut at shard unit edges".lstrip("; ")
+    return solver_plan(graph, regions, budget_bytes, plan.solver.model_copy(update={"note": note}), report=report)
 
 
 def solve(

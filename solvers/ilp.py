@@ -42,7 +42,6 @@ from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses
 from ckptplan.solvers.refine import Moves, add_keeps, shed_keeps, simplify
 from ckptplan.solvers.registry import get_solver, register
 from ckptplan.solvers.sqrt import least_peak_regions
-from ckptplan.solvers.unit_cut import at_unit_edges
 from ckptplan.units import describe_bytes
 
 log = logging.getLogger(__name__)
@@ -246,12 +245,12 @@ def warm_solvers(graph: ComputeGraph) -> tuple[str, ...]:
 def warm_plans(
     graph: ComputeGraph, budget_bytes: int, time_limit: float, names: Sequence[str] = WARM_SOLVERS
 ) -> list[Plan]:
-    """The plans of the solvers ``names`` within ``budget_bytes``, cut at FSDP unit edges as they
-    would run (``unit_cut.at_unit_edges``), leaving out those that find none or no longer fit."""
+    """The plans of the solvers ``names`` within ``budget_bytes``, leaving out those that find none.
+    (``sqrt`` and ``dp`` plan no region across an FSDP unit edge, so these run as they are.)"""
     plans = []
     for name in names:
         try:
-            plans.append(at_unit_edges(graph, get_solver(name)(graph, budget_bytes, time_limit=time_limit), budget_bytes))
+            plans.append(get_solver(name)(graph, budget_bytes, time_limit=time_limit))
         except InfeasibleBudgetError:
             continue
     return plans
