@@ -46,7 +46,7 @@ from ckptplan.solvers.ilp import (
     warm_plans,
     warm_solvers,
 )
-from ckptplan.solvers.ilp_lazy import proof_workers, search_lazily
+from ckptplan.solvers.ilp_lazy import PROOF_ROWS_PER_ROUND, PROOF_SEEDED_ROWS, proof_workers, search_lazily
 from ckptplan.solvers.ilp_model import COST_SCALE
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -124,7 +124,7 @@ def proof_only(graphs: dict[str, ckptplan.ComputeGraph], time_limit: float) -> N
                 start = ckptplan.solve(graph, budget, solver="sqrt")
             origin = "sqrt" if start.solver.name == "sqrt" else "block by block"
             proof = search_lazily(graph, budget, start.regions, seconds=time_limit, workers=proof_workers(),
-                                  announce=False)
+                                  announce=False, seeded_rows=PROOF_SEEDED_ROWS, rows_per_round=PROOF_ROWS_PER_ROUND)
             gap = 0.0 if proof.cost <= 0 else (proof.cost - proof.bound) / proof.cost
             print(f"| {name} | {len(graph.nodes)} | {fraction:.0%} | {origin} | {start.prediction.overhead:.3f} | "
                   f"{proof.cost / COST_SCALE / graph.step_cost:.3f} | {proof.status.lower()} | "

@@ -7,12 +7,12 @@ yet at an optimum only a few of those rows bind, near the start of backward wher
 sits. So the search builds the model with the forward rows only (and
 ``IlpVars.bounding_clauses``; each row left out brings the variables only it reads when it
 joins, so this relaxation is a small model, not the whole one with rows missing), simulates
-every plan CP-SAT reports, and, as soon as one breaks the budget, adds the rows of the events
-where it does and searches again, hinted with the cheapest plan that fits. Every model along
-the way is a relaxation of the whole model, so each lower bound CP-SAT proves holds for the
-whole model too: the search is done, proven optimal, when the bound meets the cheapest plan the
-simulator accepts; and a relaxation without plans proves the budget infeasible. Branch-and-cut
-solvers treat rows too many to state up front the same way.
+every plan CP-SAT reports, and, as soon as one breaks the budget, adds the row of the event
+where it holds the most bytes and searches again, hinted with the cheapest plan that fits.
+Every model along the way is a relaxation of the whole model, so each lower bound CP-SAT proves
+holds for the whole model too: the search is done, proven optimal, when the bound meets the
+cheapest plan the simulator accepts; and a relaxation without plans proves the budget
+infeasible. Branch-and-cut solvers treat rows too many to state up front the same way.
 
 Two uses, one loop: with one worker on CP-SAT's deterministic clock (the callback's decisions
 depend only on the plans, which one worker finds in a fixed order) the search is reproducible;
@@ -52,12 +52,20 @@ log = logging.getLogger(__name__)
 DEFERRED_PHASES = frozenset({"backward", "recompute"})
 PROOF_WORKERS = 3  # the proof phase's workers on fewer cores than FULL_PORTFOLIO_WORKERS
 # Deferred rows stated up front: those of the events where the start plan holds the most bytes.
-# At a budget that binds, the search's first plans break rows near the start plan's peak, and
-# each round that then restarts pays CP-SAT's presolve again. The transformers' one added row
-# had been the start plan's fullest event, the U-Net's five among its 13 fullest; with 8 stated
-# up front ``ilp_speed.py --proof-only`` proves the GPT example and the two-layer GPT-2 in one
-# round at 70% and 50% (``benchmarks/RESULTS.md``).
+# The reproducible search (one worker) states 8 and adds every row a plan breaks: its first plans
+# break rows near the start plan's peak, and each round that then restarts pays CP-SAT's presolve
+# again (with 1 and 1 per round, ``ilp_speed.py --time-limit 6`` left the ResNet at 50% at 0.150
+# of the step, against 0.144). The proof phase states one and adds, per round, the row of the
+# fullest event the plan that stopped it breaks: each row brings the ``alive``, copy and
+# recompute variables it reads, and rows that do not bind at the optimum still weaken the LP
+# bound. With 8 up front the proof phase left gaps of 0.02-0.14 on the 309- to 1,006-node GPT-2s
+# at 50% of their peak in 60 s; with the one fullest (on each of them the first backward event,
+# the only row their optima needed) it proved them in 9.4-16.5 s (``ilp_speed.py --proof-only``).
+# Every broken row at once, one up front: the U-Net at 50% took 44 rows in 4 rounds and 22.9 s,
+# against 6 rows in 6 rounds and 18.9 s one at a time.
 SEEDED_ROWS = 8
+PROOF_SEEDED_ROWS = 1
+PROOF_ROWS_PER_ROUND = 1
 MIN_CLOCK_SECONDS = 0.01  # a deterministic clock with less left than this ends the search
 
 
@@ -110,11 +118,14 @@ def _seed_rows(v: IlpVars, start: Report, count: int) -> int:
 class _Watcher(cp_model.CpSolverSolutionCallback):
     """Simulates each plan the search reports: keeps the cheapest that fits the budget, and
     stops the search at the first that does not and breaks rows the model still lacks
-    (``violated``: those events)."""
+    (``violated``: those events, or the ``rows_per_round`` where it holds the most bytes)."""
 
-    def __init__(self, graph: ComputeGraph, v: IlpVars, budget_bytes: int, best_cost: float) -> None:
+    def __init__(
+        self, graph: ComputeGraph, v: IlpVars, budget_bytes: int, best_cost: float, rows_per_round: int | None
+    ) -> None:
         super().__init__()
         self.graph, self.v, self.budget_bytes = graph, v, budget_bytes
+        self.rows_per_round = rows_per_round
         self.best: tuple[Region, ...] | None = None
         self.best_cost = best_cost
         self.violated: set[tuple[str, int]] = set()
@@ -122,10 +133,14 @@ class _Watcher(cp_model.CpSolverSolutionCallback):
     def on_solution_callback(self) -> None:
         regions = extract_regions(self.graph, self.v, self.Value)
         report = simulate(self.graph, regions)
-        over = {(e.phase, e.node) for e in report.timeline if e.live_bytes > self.budget_bytes}
-        missing = over & self.v.deferred.keys()
+        live: dict[tuple[str, int], int] = {}
+        for e in report.timeline:
+            key = (e.phase, e.node)
+            live[key] = max(live.get(key, 0), e.live_bytes)
+        over = {key for key, nbytes in live.items() if nbytes > self.budget_bytes}
+        missing = sorted(over & self.v.deferred.keys(), key=lambda key: (-live[key], key))
         if missing:
-            self.violated |= missing
+            self.violated.update(missing[:self.rows_per_round])
             self.StopSearch()
         elif not over and report.cost_seconds < self.best_cost:
             self.best, self.best_cost = regions, report.cost_seconds
@@ -145,6 +160,7 @@ def search_lazily(
     announce: bool = True,
     deferred_phases: frozenset[str] = DEFERRED_PHASES,
     seeded_rows: int = SEEDED_ROWS,
+    rows_per_round: int | None = None,
 ) -> LazyResult:
     """The cheapest one-level plan within ``budget_bytes`` the search finds in ``seconds``,
     starting from ``regions`` (a plan that fits, or None). With one worker the rounds share
@@ -152,7 +168,8 @@ def search_lazily(
     ``cpsat.configure``). ``bound``: a lower bound already proven. ``deferred_phases``: the
     phases whose rows wait for a plan to break them (none: one search on the whole model);
     ``seeded_rows``: how many of them join at once, those of the events where ``regions`` holds
-    the most bytes. Ctrl-C ends the search with the best plan so far."""
+    the most bytes; ``rows_per_round``: how many of the rows a plan breaks join after it (the
+    fullest; None: all). Ctrl-C ends the search with the best plan so far."""
     started = time.perf_counter()
     deadline = started + seconds
     model, v = build_model(graph, budget_bytes, window=window, deferred_phases=deferred_phases)
@@ -186,7 +203,7 @@ def search_lazily(
         solver = cp_model.CpSolver()
         configure(solver, wall_seconds=left, deterministic_seconds=left if clock is None else clock,
                   workers=workers, seed=seed)
-        watcher = _Watcher(graph, v, budget_bytes, best_cost)
+        watcher = _Watcher(graph, v, budget_bytes, best_cost, rows_per_round)
         try:
             log.log(logging.INFO if announce else logging.DEBUG,
                     "ilp: %d worker(s), round %d, %d of %d backward and recompute rows in the model, up to %.0f s; "

@@ -23,7 +23,14 @@ from ckptplan.simulation import simulate
 from ckptplan.solvers.cpsat import fix_plan, solve_interruptibly, stopped
 from ckptplan.solvers.dp import solve_dp
 from ckptplan.solvers.ilp import build_model, least_peak, model_cost, model_peak, solve_ilp
-from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, SEEDED_ROWS, proof_workers, search_lazily
+from ckptplan.solvers.ilp_lazy import (
+    DEFERRED_PHASES,
+    PROOF_ROWS_PER_ROUND,
+    PROOF_SEEDED_ROWS,
+    SEEDED_ROWS,
+    proof_workers,
+    search_lazily,
+)
 from ckptplan.solvers.ilp_model import COST_SCALE, add_events
 from ckptplan.solvers.sqrt import least_peak_regions, solve_sqrt
 from tests import models
@@ -368,13 +375,18 @@ def test_deferred_rows_are_exact_whichever_join_in_any_order() -> None:
             assert solver.Value(v.peak) == expected, (plan, keys)
 
 
-@pytest.mark.parametrize("workers", [1, proof_workers()])
-def test_the_lazy_search_finds_and_proves_the_exhaustive_optimum(workers: int) -> None:
+@pytest.mark.parametrize(
+    ("workers", "up_front", "per_round"),
+    [(1, SEEDED_ROWS, None), (proof_workers(), PROOF_SEEDED_ROWS, PROOF_ROWS_PER_ROUND)],
+    ids=["search", "proof"],
+)
+def test_the_lazy_search_finds_and_proves_the_exhaustive_optimum(workers: int, up_front: int, per_round: int | None) -> None:
     """From the dearest plan that fits, ``search_lazily`` (a relaxation gaining rows as plans
     break them) ends proven optimal, no dearer than any plan of the exhaustive set, with one
-    worker (the reproducible search) or the portfolio (the proof phase); on some budget it
-    needs rows it left out (seen with none stated up front from the start plan's fullest events,
-    on every other budget); and below every plan's peak it proves the budget infeasible."""
+    worker and every broken row joining (the reproducible search) or the portfolio and the
+    fullest ``per_round`` (the proof phase); on some budget it needs rows it left out (seen with
+    none stated up front from the start plan's fullest events, on every other budget); and below
+    every plan's peak it proves the budget infeasible."""
     graph = skip_graph()
     rng = random.Random(2)
     plans = [*one_level_plans(graph, max_keeps=0), *(random_plan(graph, rng) for _ in range(500))]
@@ -384,15 +396,17 @@ def test_the_lazy_search_finds_and_proves_the_exhaustive_optimum(workers: int) -
     for number, budget in enumerate(peaks[:: max(1, len(peaks) // 6)]):
         fitting = [(plan, r) for plan, r in reports if r.peak_bytes <= budget]
         dearest = max(fitting, key=lambda pr: pr[1].cost_seconds)[0]
-        seeded = SEEDED_ROWS if number % 2 else 0
-        found = search_lazily(graph, budget, tuple(dearest), seconds=60, workers=workers,
-                              deterministic_seconds=60, announce=False, seeded_rows=seeded)
+        seeded = up_front if number % 2 else 0
+        found = search_lazily(graph, budget, tuple(dearest), seconds=60, workers=workers, deterministic_seconds=60,
+                              announce=False, seeded_rows=seeded, rows_per_round=per_round)
         assert found.status == "OPTIMAL", budget
         report = simulate(graph, found.regions)
         assert report.peak_bytes <= budget
         assert report.cost_seconds == pytest.approx(found.cost / COST_SCALE, rel=1e-12)
         assert report.cost_seconds <= min(r.cost_seconds for _, r in fitting) * (1 + 1e-9), budget
         assert found.seeded == min(seeded, found.deferred)
+        if per_round is not None:  # each round a plan breaking deferred rows stops adds the fullest
+            assert found.rows - found.seeded <= found.rounds * per_round
         rows.append(found.rows - found.seeded)
     assert max(rows) > 0
     least, proven = least_peak(graph, time_limit=30, deterministic_seconds=30, workers=1, seed=0, window=None)
