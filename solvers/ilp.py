@@ -90,8 +90,8 @@ LARGE_POLICY_MIN_SECONDS = 10.0
 LARGE_REFINE_SHARE = 0.15
 LARGE_SIMULATE_SECONDS_PER_NODE = 40e-6
 # Up to this many nodes, the proof phase runs on the whole graph after the block-by-block plan when
-# the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 70% of its peak, 60 s: proven in
-# 24 s at 12 layers (555 nodes), gap 0.03 at 23 (1,006 nodes; ``benchmarks/RESULTS.md``). Larger
+# the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 50% of its peak, 60 s: proven in
+# 25 s at 12 layers (555 nodes), 43 s at 23 (1,006 nodes; ``benchmarks/RESULTS.md``). Larger
 # graphs (GPT-3's 4,575 nodes) get the block-by-block plan and ``keep_more``: a proof phase there is unmeasured.
 PROOF_MAX_NODES = 1_200
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
