@@ -7,8 +7,9 @@ and the recompute overhead of each plan, on the examples and a ``transformers`` 
 
 Each graph is solved at 70% and 50% of its no-checkpoint peak. ``ilp`` runs with the given time
 limit (model building included) and starts from the ``dp``/``sqrt`` plans and the block-by-block
-plan, which is also shown alone (given the whole limit; ``ilp`` gives it a quarter, or 70% when
-the proof phase follows it at once: limits of 34 s and up, ``ilp.proof_follows``); "start" is
+plan, which is also shown alone (given the whole limit; ``ilp`` gives it a quarter, or, when
+the proof phase follows it at once, 70% up to 400 nodes and half above: ``ilp.proof_follows``,
+``ilp.blocks_share``); "start" is
 the plan the search starts from (the cheapest of those, refined by ``solvers.refine``); "gap" is
 CP-SAT's proven relative gap (1.0: no lower bound better than zero was proven), "proof phase"
 what the proof phase (``solvers.ilp_lazy``, ``proof_workers()`` workers) needed of the memory rows it leaves

@@ -101,6 +101,13 @@ HIERARCHICAL_SHARE = 0.25  # of the time limit, without a proof phase to follow:
 # (and short solves, as in tests and block policies, end without one).
 MIN_PROOF_SECONDS = 10.0
 PROOF_SHARE = 0.3  # of the time limit, kept for the proof phase when that is MIN_PROOF_SECONDS or more
+# On graphs above FLAT_MAX_NODES, whose alternative is the block-by-block plan and ``keep_more``
+# rather than the reproducible search, the proof phase gets this share, so it follows from 20 s
+# on (under ``auto``, which runs ``sqrt`` first within the same limit, from about 21 s). With
+# ``auto`` at 30 s (``ilp_speed.py --limits 20,30 --solver auto``) the 555-node GPT-2 was proven
+# optimal at 70% and 50% of its peak (0.006 and 0.027 of the step, where ``keep_more`` had left
+# 0.006 and 0.029) and the 1,006-node one at 50% (0.023, against 0.025; in 31.4 s), at 70% 0.006.
+LARGE_PROOF_SHARE = 0.5
 # Building the whole CP-SAT model costs about this much per (node, node of its region window)
 # pair: 40-120 us on the examples and GPT-2s of ``benchmarks/ilp_speed.py`` (the GPT example's
 # 20,480 pairs: 1.4-1.5 s). The reproducible search is skipped when the limit cannot pay for two
@@ -278,7 +285,7 @@ def solve_ilp(
 
     On graphs made of repeated blocks the block-by-block plan (``solvers.blocks``: the flat model
     on one block per class, then one policy per block by dynamic programming) comes first. When
-    the limit leaves the proof phase ``MIN_PROOF_SECONDS`` (``PROOF_SHARE`` of it) and the graph
+    the limit leaves the proof phase ``MIN_PROOF_SECONDS`` (``proof_share`` of it) and the graph
     has at most ``PROOF_MAX_NODES`` nodes, the proof phase then runs on the whole graph from the
     cheapest warm plan, with the rest of the limit (``solve_flat(proof_only=True)``): from a
     block-by-block start it proves in seconds what the one-worker search would spend its time
@@ -313,15 +320,20 @@ def solve_ilp(
     )
 
 
+def proof_share(graph: ComputeGraph) -> float:
+    """The share of the limit ``solve_ilp`` keeps for the proof phase on ``graph``."""
+    return LARGE_PROOF_SHARE if len(graph.nodes) > FLAT_MAX_NODES else PROOF_SHARE
+
+
 def proof_follows(graph: ComputeGraph, limit: float) -> bool:
     """Whether ``solve_ilp`` with ``limit`` seconds runs the proof phase on the whole ``graph``."""
-    return len(graph.nodes) <= PROOF_MAX_NODES and PROOF_SHARE * limit >= MIN_PROOF_SECONDS
+    return len(graph.nodes) <= PROOF_MAX_NODES and proof_share(graph) * limit >= MIN_PROOF_SECONDS
 
 
 def blocks_share(graph: ComputeGraph, limit: float) -> float:
     """The share of ``limit`` that ``solve_ilp`` gives the block-by-block plan on smaller graphs
     (or ones with a proof phase to follow), where it is a warm start."""
-    return 1 - PROOF_SHARE if proof_follows(graph, limit) else HIERARCHICAL_SHARE
+    return 1 - proof_share(graph) if proof_follows(graph, limit) else HIERARCHICAL_SHARE
 
 
 def solve_hierarchical(

@@ -202,7 +202,8 @@ def test_graphs_of_blocks_get_the_proof_phase_from_the_block_by_block_plan(gpt, 
     """When the limit leaves the proof phase ``MIN_PROOF_SECONDS`` (lowered here), ``ilp`` runs it
     on the whole graph from the block-by-block plan: a proven gap, and a plan no dearer than the
     warm starts'. Without that time, graphs above ``FLAT_MAX_NODES`` (lowered so the 6-layer GPT
-    counts as large) get the block-by-block plan alone."""
+    counts as large) get the block-by-block plan alone; they keep a larger share for the proof
+    phase than smaller graphs do."""
     from ckptplan.solvers import ilp
 
     _, _, graph = gpt
@@ -219,5 +220,11 @@ def test_graphs_of_blocks_get_the_proof_phase_from_the_block_by_block_plan(gpt, 
         assert plan.prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
         if flat_max > len(graph.nodes):  # dp is a warm start on small graphs only
             assert plan.prediction.cost_seconds <= dp_cost
-    short = ilp.solve_ilp(graph, budget, time_limit=3)  # 0.3 × 3 s < 1 s: block by block alone
-    assert "block by block" in short.solver.note and "proof phase" not in short.solver.note
+    # Large graphs keep LARGE_PROOF_SHARE of the limit for the proof phase, smaller ones PROOF_SHARE.
+    short = ilp.solve_ilp(graph, budget, time_limit=3)  # 0.5 × 3 s >= 1 s
+    assert "proof phase on the whole graph" in short.solver.note
+    shorter = ilp.solve_ilp(graph, budget, time_limit=1.5)  # 0.5 × 1.5 s < 1 s: block by block alone
+    assert "block by block" in shorter.solver.note and "proof phase" not in shorter.solver.note
+    monkeypatch.setattr(ilp, "FLAT_MAX_NODES", len(graph.nodes))
+    small = ilp.solve_ilp(graph, budget, time_limit=3)  # 0.3 × 3 s < 1 s: no proof phase
+    assert "proof phase" not in small.solver.note
