@@ -92,8 +92,12 @@ LARGE_SIMULATE_SECONDS_PER_NODE = 40e-6
 # Up to this many nodes, the proof phase runs on the whole graph after the block-by-block plan when
 # the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 50% of its peak, 60 s: proven in
 # 25 s at 12 layers (555 nodes), 43 s at 23 (1,006 nodes; ``benchmarks/RESULTS.md``). Larger
-# graphs (GPT-3's 4,575 nodes) get the block-by-block plan and ``keep_more``: a proof phase there is unmeasured.
-PROOF_MAX_NODES = 1_200
+# graphs need SLOW_PROOF_MIN_SECONDS, else they get the block-by-block plan and ``keep_more``:
+# on GPT-3's 4,575 nodes (80 GB, 64-way FSDP) the relaxation has 527k variables and 1.15M
+# constraints (3.1 GB resident in all), and with 120 s the proof phase took the plan from the
+# 18.2% of the step ``keep_more`` ends at to 17.1%, within 0.008 of its bound.
+QUICK_PROOF_MAX_NODES = 1_200
+SLOW_PROOF_MIN_SECONDS = 100.0
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
 HIERARCHICAL_SHARE = 0.25  # of the time limit, without a proof phase to follow: the block-by-block warm start
 # The proof phase (``ilp_lazy`` with ``proof_workers()``) runs on the time the reproducible search leaves,
@@ -286,7 +290,8 @@ def solve_ilp(
     On graphs made of repeated blocks the block-by-block plan (``solvers.blocks``: the flat model
     on one block per class, then one policy per block by dynamic programming) comes first. When
     the limit leaves the proof phase ``MIN_PROOF_SECONDS`` (``proof_share`` of it) and the graph
-    has at most ``PROOF_MAX_NODES`` nodes, the proof phase then runs on the whole graph from the
+    has at most ``QUICK_PROOF_MAX_NODES`` nodes (or ``SLOW_PROOF_MIN_SECONDS`` is left for a
+    larger one), the proof phase then runs on the whole graph from the
     cheapest warm plan, with the rest of the limit (``solve_flat(proof_only=True)``): from a
     block-by-block start it proves in seconds what the one-worker search would spend its time
     approaching. Otherwise graphs above ``FLAT_MAX_NODES`` nodes return the block-by-block plan
@@ -327,7 +332,8 @@ def proof_share(graph: ComputeGraph) -> float:
 
 def proof_follows(graph: ComputeGraph, limit: float) -> bool:
     """Whether ``solve_ilp`` with ``limit`` seconds runs the proof phase on the whole ``graph``."""
-    return len(graph.nodes) <= PROOF_MAX_NODES and proof_share(graph) * limit >= MIN_PROOF_SECONDS
+    least = MIN_PROOF_SECONDS if len(graph.nodes) <= QUICK_PROOF_MAX_NODES else SLOW_PROOF_MIN_SECONDS
+    return proof_share(graph) * limit >= least
 
 
 def blocks_share(graph: ComputeGraph, limit: float) -> float:

@@ -228,3 +228,7 @@ def test_graphs_of_blocks_get_the_proof_phase_from_the_block_by_block_plan(gpt, 
     monkeypatch.setattr(ilp, "FLAT_MAX_NODES", len(graph.nodes))
     small = ilp.solve_ilp(graph, budget, time_limit=3)  # 0.3 × 3 s < 1 s: no proof phase
     assert "proof phase" not in small.solver.note
+    # Above QUICK_PROOF_MAX_NODES the proof phase needs SLOW_PROOF_MIN_SECONDS.
+    monkeypatch.setattr(ilp, "QUICK_PROOF_MAX_NODES", len(graph.nodes) - 1)
+    monkeypatch.setattr(ilp, "SLOW_PROOF_MIN_SECONDS", 6.0)
+    assert ilp.proof_follows(graph, 20) and not ilp.proof_follows(graph, 19)  # 0.3 × 20 s = 6 s
