@@ -19,7 +19,7 @@ out (absent when the reproducible search proved the plan itself). Prints a Markd
 limits: the seconds it took against the limit asked, and the plan's overhead (does it keep to
 its limit?).
 
-``--proof-only``: the proof phase alone (``search_lazily`` with ``proof_workers()`` workers) from
+``--proof-only``: the proof phase alone (``ilp_lazy.proof_search``) from
 the block-by-block plan (or ``sqrt``'s, where the blocks find none), given the whole time limit:
 how long a proof takes when nothing else runs first, and the size of the relaxation it ended
 with ("variables", "constraints": the decisions, the forward rows and the rows it added, each
@@ -47,7 +47,7 @@ from ckptplan.solvers.ilp import (
     warm_plans,
     warm_solvers,
 )
-from ckptplan.solvers.ilp_lazy import PROOF_ROWS_PER_ROUND, PROOF_SEEDED_ROWS, proof_workers, search_lazily
+from ckptplan.solvers.ilp_lazy import proof_search
 from ckptplan.solvers.ilp_model import COST_SCALE
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -124,8 +124,7 @@ def proof_only(graphs: dict[str, ckptplan.ComputeGraph], time_limit: float) -> N
             if start is None or any(region.children for region in start.regions):
                 start = ckptplan.solve(graph, budget, solver="sqrt")
             origin = "sqrt" if start.solver.name == "sqrt" else "block by block"
-            proof = search_lazily(graph, budget, start.regions, seconds=time_limit, workers=proof_workers(),
-                                  announce=False, seeded_rows=PROOF_SEEDED_ROWS, rows_per_round=PROOF_ROWS_PER_ROUND)
+            proof = proof_search(graph, budget, start.regions, seconds=time_limit, announce=False)
             gap = 0.0 if proof.cost <= 0 else (proof.cost - proof.bound) / proof.cost
             print(f"| {name} | {len(graph.nodes)} | {fraction:.0%} | {origin} | {start.prediction.overhead:.3f} | "
                   f"{proof.cost / COST_SCALE / graph.step_cost:.3f} | {proof.status.lower()} | "

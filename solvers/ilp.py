@@ -37,14 +37,7 @@ from ckptplan.solvers.cpsat import (
     solve_interruptibly,
     stopped,
 )
-from ckptplan.solvers.ilp_lazy import (
-    DEFERRED_PHASES,
-    PROOF_ROWS_PER_ROUND,
-    PROOF_SEEDED_ROWS,
-    LazyResult,
-    proof_workers,
-    search_lazily,
-)
+from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, LazyResult, proof_search, search_lazily
 from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, build_model, region_window
 from ckptplan.solvers.refine import Moves, add_keeps, shed_keeps, simplify
 from ckptplan.solvers.registry import get_solver, register
@@ -559,9 +552,8 @@ def _proof_phase(
     ``seconds``: its result, and the plan it ends with (``regions`` unless it found a strictly
     cheaper one, which is simplified until ``SIMPLIFY_GRACE`` of ``seconds`` past them)."""
     deadline = time.perf_counter() + seconds * (1 + SIMPLIFY_GRACE)
-    proof = search_lazily(graph, budget_bytes, regions, seconds=seconds, workers=proof_workers(), seed=seed,
-                          window=window, bound=bound, announce=announce, seeded_rows=PROOF_SEEDED_ROWS,
-                          rows_per_round=PROOF_ROWS_PER_ROUND)
+    proof = proof_search(graph, budget_bytes, regions, seconds=seconds, seed=seed, window=window, bound=bound,
+                         announce=announce)
     if proof.regions == regions:
         return proof, regions
     return proof, simplify(graph, proof.regions, budget_bytes, deadline=deadline)

@@ -108,11 +108,17 @@ def proof_workers() -> int:
     return cores if cores >= FULL_PORTFOLIO_WORKERS else PROOF_WORKERS
 
 
+def _fullest(report: Report, keys) -> list[tuple[str, int]]:
+    """The events of ``report`` named in ``keys`` (``(phase, node)``), those where it holds the
+    most bytes first (ties in execution order)."""
+    by_bytes = sorted(report.timeline, key=lambda e: -e.live_bytes)
+    return list(dict.fromkeys((e.phase, e.node) for e in by_bytes if (e.phase, e.node) in keys))
+
+
 def _seed_rows(v: IlpVars, start: Report, count: int) -> int:
     """Add the deferred rows of the ``count`` events where the ``start`` plan holds the most
-    bytes (ties in execution order); returns how many were added."""
-    by_bytes = sorted(start.timeline, key=lambda e: -e.live_bytes)
-    fullest = list(dict.fromkeys((e.phase, e.node) for e in by_bytes if (e.phase, e.node) in v.deferred))[:count]
+    bytes; returns how many were added."""
+    fullest = _fullest(start, v.deferred)[:count]
     add_events(v, fullest)
     return len(fullest)
 
@@ -135,17 +141,31 @@ class _Watcher(cp_model.CpSolverSolutionCallback):
     def on_solution_callback(self) -> None:
         regions = extract_regions(self.graph, self.v, self.Value)
         report = simulate(self.graph, regions)
-        live: dict[tuple[str, int], int] = {}
-        for e in report.timeline:
-            key = (e.phase, e.node)
-            live[key] = max(live.get(key, 0), e.live_bytes)
-        over = {key for key, nbytes in live.items() if nbytes > self.budget_bytes}
-        missing = sorted(over & self.v.deferred.keys(), key=lambda key: (-live[key], key))
+        over = {(e.phase, e.node) for e in report.timeline if e.live_bytes > self.budget_bytes}
+        missing = _fullest(report, over & self.v.deferred.keys())
         if missing:
             self.violated.update(missing[:self.rows_per_round])
             self.StopSearch()
         elif not over and report.cost_seconds < self.best_cost:
             self.best, self.best_cost = regions, report.cost_seconds
+
+
+def proof_search(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    regions: tuple[Region, ...] | None,
+    *,
+    seconds: float,
+    seed: int = 0,
+    window: int | None = None,
+    bound: float = 0.0,
+    announce: bool = True,
+) -> LazyResult:
+    """The proof phase: ``search_lazily`` with ``proof_workers()``, ``PROOF_SEEDED_ROWS`` up front
+    and ``PROOF_ROWS_PER_ROUND`` per round."""
+    return search_lazily(graph, budget_bytes, regions, seconds=seconds, workers=proof_workers(), seed=seed,
+                         window=window, bound=bound, announce=announce, seeded_rows=PROOF_SEEDED_ROWS,
+                         rows_per_round=PROOF_ROWS_PER_ROUND)
 
 
 def search_lazily(
