@@ -22,11 +22,14 @@ the proof phase. Measured with ``benchmarks/ilp_speed.py --proof-only`` (2 cores
 block-by-block plan): the U-Net, ResNet, GPT example and GPT-2s of up to 1,006 nodes, at 70%
 and 50% of their peaks, proven optimal in 2-19 s each, except the 1,006-node GPT-2 at 70% (gap
 0.03; ``benchmarks/RESULTS.md``); on the whole model without row generation the GPT example
-never got a bound above zero in 60 s.
+never got a bound above zero in 60 s. That one plan's whole cost is recomputing 17 of the 23
+blocks' attention: from such a plan the proof phase searches only the plans recomputing fewer
+(``fewer_of_a_class``), and proved it in 12.6 s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -92,12 +95,37 @@ class LazyResult:
     variables: int
     constraints: int
     seconds: float
+    split: str = ""  # which plans the proof phase left out, and why (``fewer_of_a_class``)
 
     def describe(self) -> str:
         if not self.deferred:
             return f"the whole model, {self.rounds} round(s)"
-        return (f"{self.rows} of {self.deferred} backward and recompute memory rows needed "
-                f"({self.seeded} stated up front), {self.rounds} round(s)")
+        described = (f"{self.rows} of {self.deferred} backward and recompute memory rows needed "
+                     f"({self.seeded} stated up front), {self.rounds} round(s)")
+        return f"{described}; {self.split}" if self.split else described
+
+
+@dataclass(frozen=True)
+class RecomputeAtMost:
+    """The plans that recompute at most ``most`` of ``nodes``."""
+
+    nodes: tuple[int, ...]
+    most: int
+
+    def holds(self, report: Report) -> bool:
+        return len(set(self.nodes) & set(report.recomputed)) <= self.most
+
+    def restrict(self, model: cp_model.CpModel, v: IlpVars) -> None:
+        """State it over the model's ``recomputed`` variables (a plan's model solution sets them
+        as the simulator counts, so every plan in the range stays in the model)."""
+        model.Add(sum(v.recomputed[t] for t in self.nodes) <= self.most)
+
+
+def _slack(graph: ComputeGraph) -> int:
+    """How far below a plan's simulated cost its model objective may fall, in ``COST_SCALE``
+    units: the model rounds each node's cost to a whole unit, half a unit per term (recomputed,
+    start, rec, keep: at most four per node)."""
+    return 2 * len(graph.nodes) + 1
 
 
 def proof_workers() -> int:
@@ -113,14 +141,6 @@ def _fullest(report: Report, keys) -> list[tuple[str, int]]:
     most bytes first (ties in execution order)."""
     by_bytes = sorted(report.timeline, key=lambda e: -e.live_bytes)
     return list(dict.fromkeys((e.phase, e.node) for e in by_bytes if (e.phase, e.node) in keys))
-
-
-def _seed_rows(v: IlpVars, start: Report, count: int) -> int:
-    """Add the deferred rows of the ``count`` events where the ``start`` plan holds the most
-    bytes; returns how many were added."""
-    fullest = _fullest(start, v.deferred)[:count]
-    add_events(v, fullest)
-    return len(fullest)
 
 
 class _Watcher(cp_model.CpSolverSolutionCallback):
@@ -162,10 +182,59 @@ def proof_search(
     announce: bool = True,
 ) -> LazyResult:
     """The proof phase: ``search_lazily`` with ``proof_workers()``, ``PROOF_SEEDED_ROWS`` up front
-    and ``PROOF_ROWS_PER_ROUND`` per round."""
-    return search_lazily(graph, budget_bytes, regions, seconds=seconds, workers=proof_workers(), seed=seed,
-                         window=window, bound=bound, announce=announce, seeded_rows=PROOF_SEEDED_ROWS,
-                         rows_per_round=PROOF_ROWS_PER_ROUND)
+    and ``PROOF_ROWS_PER_ROUND`` per round; or, when ``regions``' whole cost is recomputing some
+    of a class of interchangeable nodes, the same search of the plans that recompute fewer of
+    them (``fewer_of_a_class``)."""
+    options = {"seconds": seconds, "workers": proof_workers(), "seed": seed, "window": window, "bound": bound,
+               "announce": announce, "seeded_rows": PROOF_SEEDED_ROWS, "rows_per_round": PROOF_ROWS_PER_ROUND}
+    fewer = fewer_of_a_class(graph, regions) if regions is not None else None
+    if fewer is None:
+        return search_lazily(graph, budget_bytes, regions, **options)
+    name = graph.nodes[fewer.nodes[0]].name
+    log.log(logging.INFO if announce else logging.DEBUG, "ilp: the plan's cost is recomputing %d of the %d nodes "
+            "like %s; the proof phase searches the plans recomputing fewer", fewer.most + 1, len(fewer.nodes), name)
+    found = search_lazily(graph, budget_bytes, regions, within=fewer, **options)
+    note = (f"searched the plans recomputing fewer than {fewer.most + 1} of the {len(fewer.nodes)} nodes like "
+            f"{name}, the others costing at least as much")
+    return dataclasses.replace(found, split=note)
+
+
+def symmetric_classes(graph: ComputeGraph) -> list[tuple[int, ...]]:
+    """Nodes with a recompute cost, grouped by what makes them interchangeable in the model: op,
+    FLOPs, output bytes and the bytes they save (the same op of each repeated block). Groups of
+    two or more, in execution order of their first node."""
+    groups: dict[tuple, list[int]] = {}
+    for node in graph.nodes:
+        if round(node.fwd_cost * COST_SCALE) <= 0:
+            continue
+        saved = tuple(sorted(graph.storages[s].nbytes for s in node.saved))
+        groups.setdefault((node.op, node.fwd_flops, node.output_bytes, saved), []).append(node.index)
+    return [tuple(nodes) for nodes in groups.values() if len(nodes) > 1]
+
+
+def fewer_of_a_class(graph: ComputeGraph, regions: tuple[Region, ...]) -> RecomputeAtMost | None:
+    """When the whole cost of ``regions`` is recomputing k nodes of one ``symmetric_classes``
+    class: the plans recomputing fewer than k of them, the only ones that may cost less (every
+    plan recomputing k or more pays at least for the k cheapest). Else None.
+
+    Why: CP-SAT branches on one variable at a time. When a plan recomputes, say, 17 of 23
+    blocks' attention, the LP relaxation frees the bytes still missing with a fraction of an
+    18th, and proving that nothing is cheaper means ruling that out for each of the many
+    interchangeable choices of blocks: the 1,006-node GPT-2 at 70% of its peak, where that is
+    the plan, kept a gap of 0.02 after 150 s. Among the plans recomputing at most 16, the LP must
+    free those bytes some other way, and their search was proven in 22.5 s. (Splitting on how
+    many of a symmetric set of variables are set, rather than on one of them, is the idea of
+    orbital branching: Ostrowski, Linderoth, Rossi and Smriglio, Math. Programming 126, 2011.)"""
+    report = simulate(graph, regions)
+    recomputed = set(report.recomputed)
+    for nodes in symmetric_classes(graph):
+        count = sum(1 for t in nodes if t in recomputed)
+        if not count:
+            continue
+        least_seconds = sum(sorted(graph.nodes[t].fwd_cost for t in nodes)[:count])
+        if least_seconds * COST_SCALE >= report.cost_seconds * COST_SCALE - _slack(graph):
+            return RecomputeAtMost(nodes, count - 1)
+    return None
 
 
 def search_lazily(
@@ -183,6 +252,7 @@ def search_lazily(
     deferred_phases: frozenset[str] = DEFERRED_PHASES,
     seeded_rows: int = SEEDED_ROWS,
     rows_per_round: int | None = None,
+    within: RecomputeAtMost | None = None,
 ) -> LazyResult:
     """The cheapest one-level plan within ``budget_bytes`` the search finds in ``seconds``,
     starting from ``regions`` (a plan that fits, or None). With one worker the rounds share
@@ -191,23 +261,32 @@ def search_lazily(
     phases whose rows wait for a plan to break them (none: one search on the whole model);
     ``seeded_rows``: how many of them join at once, those of the events where ``regions`` holds
     the most bytes; ``rows_per_round``: how many of the rows a plan breaks join after it (the
-    fullest; None: all). Ctrl-C ends the search with the best plan so far."""
+    fullest; None: all). ``within``: search
+    only the plans in that range (``regions`` then only bounds the cost, and hints the search
+    if it lies in the range; a range without plans ends ``OPTIMAL``: none is cheaper). Ctrl-C
+    ends the search with the best plan so far."""
     started = time.perf_counter()
     deadline = started + seconds
     model, v = build_model(graph, budget_bytes, window=window, deferred_phases=deferred_phases)
     if deferred_phases:  # the relaxation's bound rests on them; the whole model's search does better without
         add_bounding_clauses(model, v)
+    if within is not None:
+        within.restrict(model, v)
     model.Minimize(v.cost)
     deferred = len(v.deferred)
-    best, best_cost, seeded = regions, math.inf, 0
+    best, best_cost, hinted, seeded = regions, math.inf, regions, 0
     if regions is not None:
         report = simulate(graph, regions)
         best_cost = report.cost_seconds
-        seeded = _seed_rows(v, report, seeded_rows)
-    # The model rounds each node's cost to a whole COST_SCALE unit: its objective for a plan may
-    # fall short of the simulated cost by half a unit per term (recomputed, start, rec, keep: at
-    # most four per node).
-    slack = 2 * len(graph.nodes) + 1
+        fullest = _fullest(report, v.deferred)[:seeded_rows]
+        add_events(v, fullest)
+        seeded = len(fullest)
+        if within is not None and not within.holds(report):
+            # CP-SAT never sees this plan as a solution, so it would prune with the dearer ones it
+            # finds; only plans no dearer matter (model costs are within ``slack`` of simulated ones).
+            hinted = None
+            model.Add(v.cost <= math.floor(best_cost * COST_SCALE) + _slack(graph))
+    slack = _slack(graph)
     clock = deterministic_seconds if workers == 1 else None
     status, rounds = "UNKNOWN", 0
     while not stopped.is_set():
@@ -219,8 +298,8 @@ def search_lazily(
         if rounds and left < (MIN_WALL_SECONDS if clock is None else 0.0):
             break
         rounds += 1
-        if best is not None:
-            hint_complete(model, graph, v, best)
+        if hinted is not None:
+            hint_complete(model, graph, v, hinted)
             left = deadline - time.perf_counter()  # completing the hint solves a copy of the model
         solver = cp_model.CpSolver()
         configure(solver, wall_seconds=left, deterministic_seconds=left if clock is None else clock,
@@ -240,10 +319,14 @@ def search_lazily(
             clock -= solver.ResponseProto().deterministic_time
         if watcher.best is not None:
             best, best_cost = watcher.best, watcher.best_cost
+            hinted = best
         if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             bound = max(bound, solver.BestObjectiveBound())
         if code == cp_model.INFEASIBLE:
-            if best is None:
+            if within is not None:  # no plan in the range, so none cheaper than ``best``
+                bound = math.inf
+                status = "OPTIMAL" if best is not None else "INFEASIBLE"
+            elif best is None:
                 status = "INFEASIBLE"
             else:  # a plan that fits breaks no row: the model and the simulator disagree (a bug)
                 log.warning("ilp: the model rejects every plan, even one the simulator accepts")

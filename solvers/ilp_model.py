@@ -95,6 +95,8 @@ class IlpVars:
     window: int
     counts: dict[str, int] = field(default_factory=dict)
     bounding_clauses: list[tuple[cp_model.IntVar, cp_model.IntVar]] = field(default_factory=list)
+    # ``recomputed_{t}`` by node, for the nodes whose recompute costs something (the objective's terms).
+    recomputed: dict[int, cp_model.IntVar] = field(default_factory=dict)
     # Memory rows left out of the model, by event (``build_model``'s ``deferred_phases``): each
     # adds its row to the model when called, with the variables it reads that the model lacks
     # (see "Made on demand" above).
@@ -614,6 +616,7 @@ class _Builder:
             var = recomputed[t] = m.NewBoolVar(f"recomputed_{t}")
             self.implies([self.rec[t], self._keep_var(t).Not(), self.stopafter[t], self.hastrig[t]], var)
             terms.append(cost * var)
+        self.recomputed = recomputed
         self.bounding_clauses = self.hold_or_recompute(recomputed)
         return sum(terms) + self._machinery_cost()
 
@@ -716,6 +719,7 @@ def build_model(
         window=b.W,
         counts={"variables": len(proto.variables), "constraints": len(proto.constraints)},
         bounding_clauses=b.bounding_clauses,
+        recomputed=b.recomputed,
         deferred=b.deferred,
         link_alive=b.link_alive,
     )

@@ -28,8 +28,11 @@ from ckptplan.solvers.ilp_lazy import (
     PROOF_ROWS_PER_ROUND,
     PROOF_SEEDED_ROWS,
     SEEDED_ROWS,
+    fewer_of_a_class,
+    proof_search,
     proof_workers,
     search_lazily,
+    symmetric_classes,
 )
 from ckptplan.solvers.ilp_model import COST_SCALE, add_events
 from ckptplan.solvers.sqrt import least_peak_regions, solve_sqrt
@@ -414,6 +417,37 @@ def test_the_lazy_search_finds_and_proves_the_exhaustive_optimum(workers: int, u
     below = search_lazily(graph, least - 1, None, seconds=60, workers=workers, deterministic_seconds=60,
                           announce=False)
     assert below.status == "INFEASIBLE" and below.regions is None
+
+
+def test_the_proof_phase_searches_only_the_plans_recomputing_fewer_of_a_class() -> None:
+    """From a plan whose whole cost is recomputing k nodes of one class of interchangeable ones,
+    the proof phase searches only the plans recomputing fewer (the others cost at least as much)
+    and still ends proven optimal and no dearer than the exhaustive optimum (one-level plans
+    with up to one kept node per region): from the dearest such plan it finds a cheaper one in
+    that range; from the cheapest, the exhaustive optimum itself, it proves the range holds
+    nothing cheaper."""
+    graph = chain_graph([128] * 6, param_bytes=8, saves_output=True)
+    assert symmetric_classes(graph) == [(1, 3, 5), (2, 4)]  # the relus; the linears after the first
+    reports = [(plan, simulate(graph, plan)) for plan in one_level_plans(graph, max_keeps=1)]
+    budget = 832
+    fitting = [(plan, r) for plan, r in reports if r.peak_bytes <= budget]
+    least_seconds = min(r.cost_seconds for _, r in fitting)
+    whole = [(plan, r) for plan, r in fitting if fewer_of_a_class(graph, plan) is not None]
+    dearest = max(whole, key=lambda pr: pr[1].cost_seconds)[0]
+    cheapest, cheapest_report = min(whole, key=lambda pr: pr[1].cost_seconds)
+    assert cheapest_report.cost_seconds == least_seconds
+    assert fewer_of_a_class(graph, (ckptplan.Region(1, 3),)) is None  # recomputes a relu and a linear
+    ends = []
+    for start in (dearest, cheapest):
+        found = proof_search(graph, budget, tuple(start), seconds=30, announce=False)
+        assert found.status == "OPTIMAL" and "fewer than" in found.split
+        report = simulate(graph, found.regions)
+        assert report.peak_bytes <= budget
+        assert report.cost_seconds <= least_seconds * (1 + 1e-9)
+        ends.append(found.regions == tuple(start))
+    assert ends == [False, True]
+
+
 # ----------------------------------------------------------------------------- real models
 def test_keep_set_plan_on_unet_runs_with_equal_gradients_and_measured_peak() -> None:
     model, args = load_example("unet").build()
