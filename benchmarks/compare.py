@@ -224,7 +224,8 @@ class Point:
     predicted_bytes: int | None = None
     predicted_time_ratio: float | None = None  # ckptplan's: 1 + the plan's predicted overhead
     solver: str | None = None
-    regions: int | None = None  # top-level regions of a ckptplan plan; 0: the empty plan (no checkpointing)
+    regions: int | None = None  # top-level regions of a ckptplan plan; 0 and no remat: the empty plan
+    remat: int = 0  # nodes a ckptplan plan rematerialises (``ckptplan.remat``)
     note: str = ""
 
 
@@ -565,7 +566,7 @@ def _ckptplan_points(
                 points.append(Point("ckptplan", setting, f"ckptplan {solver}", status=f"error: {_one_line(exc)}",
                                     budget_bytes=budget, solver=solver))
                 continue
-            key = repr(plan.regions)
+            key = repr((plan.regions, plan.remat))
             note = plan.solver.note.split(":")[0] if solver == "auto" else ""
             if key in seen:
                 metrics, first = seen[key]
@@ -580,12 +581,14 @@ def _ckptplan_points(
                                         solver=solver))
                     continue
                 seen[key] = (metrics, f"{solver} at {budget / MIB:.1f} MiB")
-            if not plan.regions:
+            if plan.remat:
+                note = "; ".join(x for x in (f"rematerialises {len(plan.remat)} ops", note) if x)
+            elif not plan.regions:
                 note = "; ".join(x for x in ("empty plan: no checkpointing", note) if x)
             points.append(Point("ckptplan", setting, f"ckptplan {solver}", metrics, budget_bytes=budget,
                                 predicted_bytes=plan.prediction.peak_bytes,
                                 predicted_time_ratio=1 + plan.prediction.overhead, solver=solver,
-                                regions=len(plan.regions), note=note))
+                                regions=len(plan.regions), remat=len(plan.remat), note=note))
     return points
 
 
@@ -730,7 +733,7 @@ def _distinct(points: Sequence[Point]) -> list[Point]:
 def _describe(point: Point, result: ModelResult) -> str:
     v = row_values(point, result)
     if point.group.startswith("ckptplan"):
-        name = f"ckptplan {point.solver}" + (" (empty plan)" if point.regions == 0 else "")
+        name = f"ckptplan {point.solver}" + (" (empty plan)" if point.regions == 0 and not point.remat else "")
     else:
         name = f"{point.method} ({point.setting})"
     return f"{name} {v['peak_mib']:.1f} MiB, {v['extra_flops_pct']:+.1f}% FLOPs, {v['time_ratio']:.2f}× step time"
@@ -815,11 +818,12 @@ def summarize(result: ModelResult) -> list[str]:
             f"auto's choice (ranked by ckptplan's cost estimate) measured slower than dp's plan at the same budget "
             f"at {dp_faster} of the {differ} budgets where they differ."
         )
-    predicted = [p for p in ours if p.predicted_time_ratio is not None and p.regions and "same plan as" not in p.note]
+    predicted = [p for p in ours if p.predicted_time_ratio is not None and (p.regions or p.remat)
+                 and "same plan as" not in p.note]
     if predicted:
         errors = sorted(p.metrics.time_ratio - p.predicted_time_ratio for p in predicted)
         out.append(
-            f"Step time, measured minus predicted ratio, over ckptplan's {len(errors)} distinct plans with regions: "
+            f"Step time, measured minus predicted ratio, over ckptplan's {len(errors)} distinct plans that recompute: "
             f"median {statistics.median(errors):+.2f}, from {errors[0]:+.2f} to {errors[-1]:+.2f}."
         )
     bad = sorted({p.group for p in result.points if p.metrics is not None and p.metrics.grads != "yes"
@@ -929,7 +933,9 @@ def _method_paragraphs(settings: Settings, seconds: float, threads: int) -> list
         "measured once. ckptplan prices plans as the CLI's `--costs here` does (`measure_times=True`, "
         "`roofline=ckptplan.measure_roofline()`): each op by its measured time on this CPU, plus the measured fixed "
         "cost of each checkpoint region, of each op inside one and of each kept op (run under a selective policy), "
-        "since that is where the plans run"
+        "since that is where the plans run. `auto` also considers rematerialising cheap ops outside regions "
+        "(`ckptplan.remat`: layer norms, GELUs, recomputed in the backward of the op that saved their output, as the "
+        "min-cut partitioner's flat backward graph does), its default; rows say how many it rematerialises"
         + ("; and it profiles as `--spell-out` does (`spell_out=True`). Each" if settings.spell_out else ". Each")
         + " ckptplan row gives the plan's predicted peak and predicted step-time "
         "ratio (1 + `Plan.prediction.overhead`), to read against the measured ones."

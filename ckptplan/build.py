@@ -35,15 +35,18 @@ def make_plan(
     budget: BudgetInfo | None = None,
     solver: SolverInfo | None = None,
     report: Report | None = None,
+    remat: Sequence[str] = (),
 ) -> Plan:
-    """A ``Plan`` for ``graph`` running ``regions``, with the simulator's prediction.
+    """A ``Plan`` for ``graph`` running ``regions`` and rematerialising the nodes named in
+    ``remat`` (``ckptplan.remat``), with the simulator's prediction.
 
     Without ``budget`` the plan's budget is its own predicted peak; without ``solver`` it is
     recorded as a hand-made (``manual``) plan.
     """
     regions = tuple(regions)
+    remat = tuple(sorted(remat, key=graph.index_of.__getitem__)) if remat else ()
     tops = build_region_tree(graph, regions)
-    report = report if report is not None else simulate(graph, regions)
+    report = report if report is not None else simulate(graph, regions, remat=remat)
     baseline = baseline_peak_bytes(graph)
     step_cost = graph.step_cost
     prediction = Prediction(
@@ -71,7 +74,8 @@ def make_plan(
         solver=solver or SolverInfo(name="manual", status="feasible", seconds=0.0),
         prediction=prediction,
         regions=regions,
-        nodes=_decisions(graph, regions, _region_input_bytes(graph, [top.input_storages for top in tops])),
+        nodes=_decisions(graph, regions, _region_input_bytes(graph, [top.input_storages for top in tops]), remat),
+        remat=remat,
     )
 
 
@@ -97,9 +101,11 @@ def _region_input_bytes(graph: ComputeGraph, input_storages: Sequence[Sequence[i
 
 
 def _decisions(
-    graph: ComputeGraph, regions: tuple[Region, ...], region_input_bytes: Sequence[int]
+    graph: ComputeGraph, regions: tuple[Region, ...], region_input_bytes: Sequence[int], remat: Sequence[str] = ()
 ) -> tuple[NodeDecision, ...]:
     decision = ["store"] * len(graph.nodes)
+    for name in remat:
+        decision[graph.index_of[name]] = "remat"
     for top in regions:
         for region in top.walk():
             for i in range(region.start, region.end):
@@ -129,9 +135,11 @@ def solver_plan(
     budget_bytes: int,
     solver: SolverInfo,
     report: Report | None = None,
+    remat: Sequence[str] = (),
 ) -> Plan:
     """``make_plan`` as a solver returns it: the budget recorded in bytes (``solve`` later
     records how the user wrote it)."""
     return make_plan(
-        graph, regions, budget=BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes), solver=solver, report=report
+        graph, regions, budget=BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes), solver=solver,
+        report=report, remat=remat,
     )

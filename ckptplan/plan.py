@@ -20,7 +20,7 @@ SCHEMA_VERSION = "ckptplan.plan/v1"
 # validation, which recurses once per level.
 MAX_REGION_DEPTH = 64
 SolverStatus = Literal["optimal", "feasible", "infeasible", "timeout"]
-Decision = Literal["store", "recompute", "keep"]
+Decision = Literal["store", "recompute", "keep", "remat"]
 
 
 class _Frozen(BaseModel):
@@ -165,11 +165,19 @@ class Plan(_Frozen):
     prediction: Prediction
     regions: tuple[Region, ...] = ()
     nodes: tuple[NodeDecision, ...] = ()
+    # Nodes whose outputs are dropped after forward and recomputed in the backward of each op
+    # that saved them (``ckptplan.remat``); written only when there are any.
+    remat: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _check_regions(self) -> Plan:
         previous_end = 0
         names = {n.name for n in self.nodes}
+        if len(set(self.remat)) != len(self.remat):
+            raise ValueError("remat names a node twice")
+        unknown = [name for name in self.remat if self.nodes and name not in names]
+        if unknown:
+            raise ValueError(f"remat names unknown node {unknown[0]!r}")
         for region in self.regions:
             if region.start < previous_end:
                 raise ValueError(f"region [{region.start}, {region.end}) overlaps the region before it")
@@ -184,7 +192,10 @@ class Plan(_Frozen):
 
     def to_json(self) -> str:
         """Deterministic JSON text: same plan, same bytes."""
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=False) + "\n"
+        raw = self.model_dump(mode="json")
+        if not raw["remat"]:
+            del raw["remat"]  # plans without it read as before, by earlier versions too
+        return json.dumps(raw, indent=2, sort_keys=False) + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Plan:

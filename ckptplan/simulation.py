@@ -43,12 +43,13 @@ import gc
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from ckptplan.errors import PlanFormatError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region
+from ckptplan.remat import Remat, indices
 
 Phase = Literal["forward", "recompute", "backward"]
 # A storage instance: (storage index, tag); tag 0 is the original forward, tag u > 0 the
@@ -633,11 +634,27 @@ def checkpoint_cost_seconds(graph: ComputeGraph, regions: Sequence[Region]) -> f
     return seconds
 
 
-def simulate(graph: ComputeGraph, plan: Plan | tuple[Region, ...] | list[Region] = ()) -> Report:
-    """Peak bytes, recompute FLOPs and the memory timeline of one step under ``plan``."""
+def simulate(
+    graph: ComputeGraph, plan: Plan | tuple[Region, ...] | list[Region] = (), *, remat: Sequence[str] = ()
+) -> Report:
+    """Peak bytes, recompute FLOPs and the memory timeline of one step under ``plan``: its regions
+    and the nodes it rematerialises (``plan.remat``, or ``remat`` beside bare regions; see
+    ``ckptplan.remat``)."""
     regions = plan.regions if isinstance(plan, Plan) else tuple(plan)
+    names = plan.remat if isinstance(plan, Plan) else tuple(remat)
+    if not names:
+        with _collector_paused():
+            return _Simulator(graph, regions).run()
+    rematerialised = Remat(graph, indices(graph, names), regions)
     with _collector_paused():
-        return _Simulator(graph, regions).run()
+        report = _Simulator(rematerialised.graph, regions).run()
+    again = rematerialised.recomputations
+    return replace(
+        report,
+        recompute_flops=report.recompute_flops + sum(graph.nodes[x].fwd_flops for x in again),
+        recompute_seconds=report.recompute_seconds + sum(graph.nodes[x].fwd_cost for x in again),
+        recomputed=report.recomputed + tuple(again),
+    )
 
 
 @contextmanager

@@ -133,6 +133,13 @@ SpellOutOpt = Annotated[
         help="Run composite kernels as their parts, each a node plans can keep or recompute: attention that takes PyTorch's math kernel (softmax, dropout, matmuls) and, for cpu, dropout as a one-byte mask (a quarter of fp32 noise's bytes) and its product. More choices; ilp needs more time for them.",
     ),
 ]
+RematOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--remat/--no-remat", show_default=False,
+        help="Whether to also consider rematerialising cheap ops outside regions (layer norms, GELUs): their outputs are dropped after forward and recomputed in the backward of each op that saved them, from tensors kept anyway; the cheapest plan wins. Default: on for the auto solver, off for the others.",
+    ),
+]
 TargetOpt = Annotated[
     Device | None,
     typer.Option(
@@ -183,6 +190,7 @@ def solve(
     target: TargetOpt = None,
     spell_out: SpellOutOpt = False,
     costs: CostsOpt = Costs.a100,
+    remat: RematOpt = None,
     time_limit: Annotated[
         float | None,
         typer.Option(min=0.0, metavar="SECONDS", help="Stop the solver after this long.", show_default=False),
@@ -201,7 +209,7 @@ def solve(
         )
     log.info("solving %s (%d nodes) with %s", graph.name, len(graph.nodes), solver)
     with _progress(f"solving {graph.name} ({len(graph.nodes)} nodes) with {solver}"):
-        plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit)
+        plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit, remat=remat)
     if out is not None:
         save_plan(plan, out, overwrite=force)
     if json_output:
@@ -307,6 +315,7 @@ def sweep(
     target: TargetOpt = None,
     spell_out: SpellOutOpt = False,
     costs: CostsOpt = Costs.a100,
+    remat: RematOpt = None,
 ) -> None:
     """Solve at several budgets and show the memory/recompute trade-off."""
     get_solver(solver)
@@ -323,7 +332,7 @@ def sweep(
             loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out
         )
     with _progress(f"solving {graph.name} at {len(requested)} budgets"):
-        points = run_sweep(graph, requested, solver=solver)
+        points = run_sweep(graph, requested, solver=solver, remat=remat)
     if plot is not None:
         plot_pareto(points, plot, f"{graph.name}: peak memory vs recompute")
     if json_output:

@@ -55,9 +55,13 @@ def render_plan(console: Console, plan: Plan) -> None:
         width = max(min(SPARKLINE_MAX_WIDTH, console.width) - label_width, SPARKLINE_MIN_WIDTH)
         rows.append(("memory", sparkline(timeline, width)))
         rows.append(("", _sparkline_scale(timeline, plan.budget.bytes)))
+    if plan.remat:
+        shown = ", ".join(plan.remat[:REMAT_SHOWN]) + (", …" if len(plan.remat) > REMAT_SHOWN else "")
+        count = f"{len(plan.remat)} op" + ("s" if len(plan.remat) > 1 else "")
+        rows.append(("remat", f"{count} recomputed in the backward of each op that saved the output: {shown}"))
     console.print(_facts(rows))
     console.print(_regions_table(plan))
-    if plan.regions and plan.nodes:
+    if (plan.regions or plan.remat) and plan.nodes:
         console.print(_modules_table(plan))
 
 
@@ -121,25 +125,31 @@ def _sparkline_scale(timeline: Timeline, budget_bytes: int) -> str:
 
 
 MODULE_DEPTH = 2  # group "blocks.3.attn.proj" under "blocks.3"
+REMAT_SHOWN = 6  # rematerialised node names listed in the facts before "…"
 
 
 def _modules_table(plan: Plan) -> Table:
     """Per module (paths cut to ``MODULE_DEPTH`` parts), in execution order: how many of its ops
-    are stored, recomputed or kept, the bytes they would save for backward, and the bytes of
-    their outputs that checkpoint regions store as inputs."""
+    are stored, recomputed or kept (and rematerialised, when the plan does that), the bytes they
+    would save for backward, and the bytes of their outputs that checkpoint regions store as
+    inputs."""
     rows: dict[str, dict[str, int]] = {}
     for node in plan.nodes:
         module = ".".join(node.module.split(".")[:MODULE_DEPTH]) or "(top level)"
-        row = rows.setdefault(module, {"store": 0, "recompute": 0, "keep": 0, "saved": 0, "region_input": 0})
+        row = rows.setdefault(
+            module, {"store": 0, "recompute": 0, "keep": 0, "remat": 0, "saved": 0, "region_input": 0}
+        )
         row[node.decision] += 1
         row["saved"] += node.saved_bytes
         row["region_input"] += node.region_input_bytes
+    counts = ["store", "recompute", "keep", *(["remat"] if plan.remat else [])]
+    headers = {"store": "stored", "recompute": "recomputed", "keep": "kept", "remat": "remat"}
     table = Table(title="by module", title_justify="left")
     table.add_column("module", overflow="fold")
-    for header in ("stored", "recomputed", "kept", "saved bytes", "region inputs"):
+    for header in (*(headers[c] for c in counts), "saved bytes", "region inputs"):
         table.add_column(header, justify="right")
     for module, row in rows.items():
-        table.add_row(Text(module), str(row["store"]), str(row["recompute"]), str(row["keep"]),
+        table.add_row(Text(module), *(str(row[c]) for c in counts),
                       format_bytes(row["saved"]), format_bytes(row["region_input"]))
     return table
 
@@ -173,7 +183,8 @@ def _peak_line(peak_bytes: int, baseline_peak_bytes: int) -> str:
 
 def _regions_table(plan: Plan) -> Table | Text:
     if not plan.regions:
-        return Text("No checkpoint regions: every activation is stored.")
+        stored = "every activation but the rematerialised ops' is stored" if plan.remat else "every activation is stored"
+        return Text(f"No checkpoint regions: {stored}.")
     names = [node.name for node in plan.nodes]
     table = Table(title="checkpoint regions", title_justify="left")
     for header in ("start", "end", "first node", "last node", "kept", "children"):

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from ckptplan.errors import CkptPlanError, PlanFormatError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region
 from ckptplan.profiler.record import iter_compute_nodes
+from ckptplan.remat import Remat, indices
 from ckptplan.sharding import fsdp_units
 from ckptplan.simulation import build_region_tree
 
@@ -317,10 +319,12 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
         raise PlanFormatError("The traced module no longer matches its ComputeGraph; profile the model again.")
     by_index = [value_map[n] for n in compute]
 
+    units = fsdp_units(graph)
+    if isinstance(plan, Plan) and plan.remat:
+        _rematerialise(graph, plan, by_index)
     counter = [0]
     wrappers: dict[str, nn.Module] = {}
     owner_modules = dict(source.named_modules())
-    units = fsdp_units(graph)
     in_unit = _regions_by_unit(regions, units)
     for k, unit in enumerate(units):
         unit_wrappers = _outline_unit(new_graph, by_index, unit, in_unit[k], counter, owner_modules, model)
@@ -341,6 +345,103 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
     module = CheckpointedModule(root, new_graph, class_name=f"Checkpointed{graph.name}")
     _share_state(module, model, source, wrappers)
     return module
+
+
+class _Recompute:
+    """How to make a rematerialised node's output again: its function and (detached) arguments.
+    ``made``: the last tensor it made in backward, while some backward still holds it."""
+
+    __slots__ = ("args", "fn", "kwargs", "made")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        detach = lambda value: value.detach() if isinstance(value, torch.Tensor) else value
+        self.fn = fn
+        self.args = tuple(detach(a) for a in args)
+        self.kwargs = {k: detach(v) for k, v in kwargs.items()}
+        self.made: weakref.ref | None = None
+
+    def tensor(self) -> torch.Tensor:
+        made = self.made() if self.made is not None else None
+        if made is None:
+            with torch.no_grad():
+                made = self.fn(*self.args, **self.kwargs)
+            self.made = weakref.ref(made)
+        return made
+
+
+_RECOMPUTE_ATTR = "_ckptplan_recompute"
+
+
+def _remat_source(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` for a rematerialised node: its output carries how to recompute it (``_Recompute``),
+    for the hooks of the ops that save it (``_remat_saver``)."""
+
+    def remat(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            setattr(out, _RECOMPUTE_ATTR, _Recompute(fn, args, kwargs))
+        return out
+
+    remat.__name__ = f"remat_{getattr(fn, '__name__', 'node')}"
+    return remat
+
+
+def _remat_saver(fn: Callable[..., Any], sources: int) -> Callable[..., Any]:
+    """``fn`` for an op whose backward saves rematerialised outputs, called with those outputs
+    prepended to its arguments: it runs under saved-tensor hooks that store, instead of a saved
+    tensor living in one of them, how to recompute it (``_pack``)."""
+
+    def saver(*args: Any, **kwargs: Any) -> Any:
+        made, args = args[:sources], args[sources:]
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        recipes = {
+            t.untyped_storage().data_ptr(): getattr(t, _RECOMPUTE_ATTR)
+            for t in made if hasattr(t, _RECOMPUTE_ATTR) and t.untyped_storage().data_ptr()
+        }
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, recipes), _unpack):
+            return fn(*args, **kwargs)
+
+    saver.__name__ = f"saves_remat_{getattr(fn, '__name__', 'node')}"
+    return saver
+
+
+def _pack(recipes: dict[int, _Recompute], t: torch.Tensor) -> Any:
+    """A saved tensor living in a rematerialised output becomes its recipe and view geometry."""
+    if t.layout != torch.strided:
+        return t
+    recipe = recipes.get(t.untyped_storage().data_ptr())
+    if recipe is None:
+        return t
+    return recipe, t.dtype, t.size(), t.stride(), t.storage_offset()
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor):
+        return packed
+    recipe, dtype, size, stride, offset = packed
+    made = recipe.tensor()
+    if made.dtype != dtype:
+        made = made.view(dtype)
+    return made.as_strided(size, stride, offset)
+
+
+def _rematerialise(graph: ComputeGraph, plan: Plan, by_index: list[torch.fx.Node]) -> None:
+    """Rewrite the nodes ``plan`` rematerialises, and the ops outside regions that save their
+    outputs, before regions are outlined (see ``ckptplan.remat``)."""
+    remat = Remat(graph, indices(graph, plan.remat), plan.regions)
+    for i in (*remat.nodes, *remat.recomputed_by):
+        if by_index[i].op != "call_function":
+            raise PlanFormatError(
+                f"Node {graph.nodes[i].name!r} is a {by_index[i].op} node; rematerialisation rewrites only "
+                "call_function nodes (profile with trace='export')."
+            )
+    for x in remat.nodes:
+        by_index[x].target = _remat_source(by_index[x].target)
+    for c, xs in remat.recomputed_by.items():
+        saver = by_index[c]
+        saver.target = _remat_saver(saver.target, len(xs))
+        saver.args = (*(by_index[x] for x in xs), *saver.args)
 
 
 def _share_state(module: CheckpointedModule, model: nn.Module, source: torch.fx.GraphModule,

@@ -28,14 +28,16 @@ class SweepPoint:
 
 
 def sweep(
-    graph: ComputeGraph, budgets: Sequence[str | int | float], solver: str = "auto", time_limit: float | None = None
+    graph: ComputeGraph, budgets: Sequence[str | int | float], solver: str = "auto", time_limit: float | None = None,
+    remat: bool | None = None,
 ) -> list[SweepPoint]:
-    """Solve ``graph`` at each budget in order; infeasible budgets give a point with no plan."""
+    """Solve ``graph`` at each budget in order (``remat``: as ``solve`` takes it); infeasible budgets
+    give a point with no plan."""
     points = []
     for budget in budgets:
         requested = budget if isinstance(budget, str) else repr(budget)
         try:
-            plan = solve(graph, budget, solver=solver, time_limit=time_limit)
+            plan = solve(graph, budget, solver=solver, time_limit=time_limit, remat=remat)
         except InfeasibleBudgetError as error:
             points.append(SweepPoint(requested, error.budget_bytes, solver, None, None, None, error.min_peak_bytes))
             continue

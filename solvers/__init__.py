@@ -7,10 +7,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ckptplan import remat as _remat
 from ckptplan.build import solver_plan
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import BudgetInfo, Plan
+from ckptplan.plan import BudgetInfo, Plan, SolverInfo
 from ckptplan.repeats import find_blocks
 from ckptplan.sharding import split_at_unit_edges
 from ckptplan.simulation import simulate
@@ -101,13 +102,21 @@ def solve(
     budget: str | float = "8GB",
     solver: str = "auto",
     time_limit: float | None = None,
+    remat: bool | None = None,
 ) -> Plan:
     """The plan ``solver`` finds for ``graph`` within ``budget`` (see ``ckptplan.units.parse_budget``).
 
+    ``remat``: also consider rematerialising cheap ops outside regions (``ckptplan.remat``,
+    ``with_remat``) and return the cheapest plan; None (the default) does for ``auto`` only.
     Raises ``InfeasibleBudgetError`` (with the least peak reached) when nothing fits.
     """
     budget_bytes = parse_budget(budget, graph.baseline_peak_bytes)
-    plan = at_unit_edges(graph, get_solver(solver)(graph, budget_bytes, time_limit=time_limit), budget_bytes)
+    remat = solver == "auto" if remat is None else remat
+
+    def run(g: ComputeGraph, limit: float | None) -> Plan:
+        return at_unit_edges(g, get_solver(solver)(g, budget_bytes, time_limit=limit), budget_bytes)
+
+    plan = with_remat(graph, budget_bytes, run, time_limit, solver) if remat else run(graph, time_limit)
     report = simulate(graph, plan)
     if report.peak_bytes != plan.prediction.peak_bytes or report.peak_bytes > budget_bytes:
         raise CkptPlanError(
@@ -117,3 +126,60 @@ def solve(
         )
     requested = budget if isinstance(budget, str) else repr(budget)
     return plan.model_copy(update={"budget": BudgetInfo(requested=requested, bytes=budget_bytes)})
+
+
+def with_remat(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    run: Callable[[ComputeGraph, float | None], Plan],
+    time_limit: float | None = None,
+    solver: str = "",
+) -> Plan:
+    """The cheapest of ``run``'s plan for ``graph`` and plans that rematerialise candidates
+    (``remat.by_price``, cheapest per byte first):
+
+    * when rematerialising them all fits ``budget_bytes`` without regions, the shortest prefix
+      of that order that fits (found by bisection: each prefix frees more, near enough; the
+      prefix returned is simulated and fits);
+    * otherwise ``run``'s plan for the graph with all of them rematerialised
+      (``remat.Remat.graph``), less those its regions contain, if the simulator confirms it fits
+      once savers inside its regions are left to them.
+
+    Each ``run`` call gets ``time_limit``; ``solver`` names what ``run`` runs, for the notes.
+    Raises ``InfeasibleBudgetError`` with the least peak either reached when neither fits."""
+    started = time.perf_counter()
+    order = _remat.by_price(graph)
+    plans: list[Plan] = []
+    errors: list[InfeasibleBudgetError] = []
+    try:
+        plans.append(run(graph, time_limit))
+    except InfeasibleBudgetError as exc:
+        errors.append(exc)
+    names = tuple(graph.nodes[x].name for x in order)
+    if order and simulate(graph, (), remat=names).peak_bytes <= budget_bytes:
+        fits, short = len(names), 0  # the prefix of length ``fits`` fits; ``short`` does not (or is empty)
+        while fits - short > 1:
+            middle = (fits + short) // 2
+            if simulate(graph, (), remat=names[:middle]).peak_bytes <= budget_bytes:
+                fits = middle
+            else:
+                short = middle
+        chose = "auto chose remat: " if solver == "auto" else ""
+        info = SolverInfo(name="remat", status="feasible", seconds=time.perf_counter() - started,
+                          note=f"{chose}no regions, rematerialises {fits} of {len(names)} candidates, the fewest that fit")
+        plans.append(solver_plan(graph, (), budget_bytes, info, remat=names[:fits]))
+    elif order:
+        try:
+            shrunk = run(_remat.Remat(graph, order, ()).graph, time_limit)
+        except InfeasibleBudgetError as exc:
+            errors.append(exc)
+        else:
+            kept = _remat.outside(graph, order, shrunk.regions)
+            note = f"{shrunk.solver.note}; rematerialises {len(kept)} nodes".lstrip("; ")
+            plan = solver_plan(graph, shrunk.regions, budget_bytes, shrunk.solver.model_copy(update={"note": note}),
+                               remat=[graph.nodes[x].name for x in kept])
+            if plan.prediction.peak_bytes <= budget_bytes:
+                plans.append(plan)
+    if not plans:
+        raise min(errors, key=lambda exc: exc.min_peak_bytes)
+    return min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))

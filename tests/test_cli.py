@@ -520,3 +520,34 @@ def test_training_with_a_bad_autocast_or_target_is_one_sentence_and_exit_1(
 def test_bad_target_option_is_a_usage_error(tiny: Path) -> None:
     result = invoke("profile", tiny, "--target", "tpu")
     assert result.exit_code == 2
+
+
+# Layer norms and GELUs whose outputs the next Linear saves: rematerialisation candidates.
+NORMED = """
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(0)
+    layers = [m for _ in range(3) for m in (nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))]
+    return nn.Sequential(*layers), torch.randn(512, 32)
+"""
+
+
+def test_remat_flag_turns_rematerialisation_on_and_off(workdir: Path) -> None:
+    """``--remat`` lets dp's plan give way to rematerialisation alone (cheaper here at 95%);
+    dp without the flag, and auto with ``--no-remat``, rematerialise nothing. ``show`` lists
+    the rematerialised ops."""
+    normed = write(workdir, "normed.py", NORMED)
+    result = invoke("solve", normed, "--budget", "0.95", "--json", "--solver", "dp", "--remat")
+    assert result.exit_code == 0, result.output
+    plan = ckptplan.Plan.from_json(result.stdout)
+    assert plan.remat and plan.prediction.peak_bytes <= plan.budget.bytes
+    assert {n.decision for n in plan.nodes if n.name in plan.remat} == {"remat"}
+    shown = invoke("show", write(workdir, "normed_plan.json", result.stdout))
+    assert shown.exit_code == 0, shown.output
+    assert "1 op recomputed in the backward" in shown.stderr and "│ remat │" in shown.stderr.replace("┃", "│")
+    for options in (["--solver", "dp"], ["--no-remat", "--time-limit", "3"]):
+        plain = invoke("solve", normed, "--budget", "0.95", "--json", *options)
+        assert plain.exit_code == 0, plain.output
+        assert not ckptplan.Plan.from_json(plain.stdout).remat

@@ -1,0 +1,157 @@
+"""Rematerialisation (``ckptplan.remat``): outputs of cheap ops dropped after forward and
+recomputed in the backward of the ops that saved them. The simulator's peak is checked against
+a real step's (MemTracker), the emitted module's gradients against the original's, and
+``solve(..., remat=True)``'s choice against the plans it chose from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ckptplan
+from ckptplan import Region, remat
+from ckptplan.build import make_plan
+from ckptplan.errors import PlanFormatError
+from ckptplan.simulation import simulate
+from tests import models
+from tests.conftest import assert_same_gradients, load_example
+
+SCALAR_SLACK_BYTES = 16  # the loss scalars MemTracker and the simulator may place differently (test_measured)
+
+
+def _assert_matches(graph: ckptplan.ComputeGraph, plan: ckptplan.Plan, measured: int) -> None:
+    """The prediction is the measured peak, or above it by at most the hidden tensors (layer
+    norm's statistics) a recompute makes and drops at once, which the model counts for the
+    whole backward of the op that unpacks it."""
+    hidden = sum(s.nbytes for name in plan.remat for s in graph.produced_by(graph.index_of[name])
+                 if s.kind == "hidden")
+    assert measured - SCALAR_SLACK_BYTES <= plan.prediction.peak_bytes <= measured + hidden + SCALAR_SLACK_BYTES
+
+
+@pytest.fixture(scope="module")
+def gpt() -> tuple[torch.nn.Module, tuple, ckptplan.ComputeGraph]:
+    model, args = load_example("gpt").build(batch=2, seq=64)
+    return model, args, ckptplan.profile(model, args)
+
+
+def _names(graph: ckptplan.ComputeGraph, indices: tuple[int, ...]) -> list[str]:
+    return [graph.nodes[i].name for i in indices]
+
+
+def test_candidates_are_ops_whose_backward_keeps_what_they_read(gpt) -> None:
+    _, _, graph = gpt
+    found = remat.candidates(graph)
+    ops = {graph.nodes[i].op for i in found}
+    assert {"aten.gelu.default", "aten.layer_norm.default"} <= ops
+    for i in found:
+        node = graph.nodes[i]
+        assert not node.random and node.outputs[0] not in node.saved
+        assert remat.savers(graph, i)
+    dropout = next(n.index for n in graph.nodes if n.random)
+    assert remat.why_not(graph, dropout) == "it draws random numbers"
+
+
+def test_an_op_that_saves_its_own_output_is_not_a_candidate() -> None:
+    torch.manual_seed(0)
+    model, args = models.mlp(depth=3, width=16), (torch.randn(4, 16),)
+    graph = ckptplan.profile(model, args)
+    tanh = next(n.index for n in graph.nodes if "tanh" in n.op)
+    assert remat.why_not(graph, tanh) == "its own backward saves its output"
+    assert remat.candidates(graph) == ()
+
+
+@pytest.mark.parametrize("with_region", [False, True])
+def test_predicted_peak_is_the_measured_one_and_gradients_match(gpt, with_region: bool) -> None:
+    """Every candidate outside the region is rematerialised; MemTracker's peak over a real step
+    equals the prediction to the byte, below the plan without rematerialisation."""
+    model, args, graph = gpt
+    n = len(graph.nodes)
+    regions = [Region(min(b for b in graph.boundaries if b >= n // 3), max(b for b in graph.boundaries if b <= n // 2))]
+    regions = regions if with_region else []
+    names = _names(graph, remat.outside(graph, remat.by_price(graph), regions))
+    plan = make_plan(graph, regions, remat=names)
+    assert plan.remat and plan.prediction.peak_bytes < simulate(graph, regions).peak_bytes
+    assert plan.prediction.recompute_seconds > simulate(graph, regions).recompute_seconds
+    emitted = ckptplan.emit(graph, plan)
+    _assert_matches(graph, plan, ckptplan.measure_step(emitted, args).peak_bytes)
+    assert_same_gradients(model, emitted, args)
+
+
+def test_a_saver_inside_a_region_is_left_to_the_region(gpt) -> None:
+    """A rematerialised layer norm whose savers a region covers costs nothing in backward:
+    the region recomputes from its inputs, and the prediction still matches the step."""
+    model, args, graph = gpt
+    norms = [i for i in remat.candidates(graph) if graph.nodes[i].op == "aten.layer_norm.default"]
+    x = norms[1]
+    first, last = min(remat.savers(graph, x)), max(remat.savers(graph, x))
+    start = min(b for b in graph.boundaries if b > x)
+    end = min(b for b in graph.boundaries if b > last)
+    assert start <= first
+    plan = make_plan(graph, [Region(start, end)], remat=[graph.nodes[x].name])
+    assert not remat.Remat(graph, (x,), plan.regions).recomputed_by
+    assert plan.prediction.peak_bytes == simulate(graph, plan.regions).peak_bytes
+    emitted = ckptplan.emit(graph, plan)
+    _assert_matches(graph, plan, ckptplan.measure_step(emitted, args).peak_bytes)
+    assert_same_gradients(model, emitted, args)
+
+
+def test_bad_remat_names_are_refused(gpt) -> None:
+    _, _, graph = gpt
+    gelu = next(i for i in remat.candidates(graph) if graph.nodes[i].op == "aten.gelu.default")
+    with pytest.raises(PlanFormatError, match="not a node"):
+        simulate(graph, (), remat=["no_such_node"])
+    dropout = next(n.name for n in graph.nodes if n.random)
+    with pytest.raises(PlanFormatError, match="random numbers"):
+        simulate(graph, (), remat=[dropout])
+    start = max(b for b in graph.boundaries if b <= gelu)
+    with pytest.raises(PlanFormatError, match="a region contains"):
+        make_plan(graph, [Region(start, gelu + 1)], remat=[graph.nodes[gelu].name])
+
+
+def test_plan_json_round_trips_remat_and_omits_it_when_empty(gpt) -> None:
+    _, _, graph = gpt
+    names = _names(graph, remat.by_price(graph)[:3])
+    plan = make_plan(graph, [], remat=names)
+    loaded = ckptplan.Plan.from_json(plan.to_json())
+    assert loaded == plan and loaded.remat == tuple(sorted(names, key=graph.index_of.__getitem__))
+    assert {n.name for n in plan.nodes if n.decision == "remat"} == set(names)
+    assert "remat" not in json.loads(make_plan(graph, []).to_json())
+
+
+def test_solve_with_remat_takes_the_shortest_prefix_that_fits(gpt) -> None:
+    """At a budget between the peak with every candidate rematerialised and the peak without,
+    solve may answer with rematerialisation alone: then the shortest cheapest-first prefix that
+    fits, and never a dearer plan than the solver's own."""
+    _, _, graph = gpt
+    order = _names(graph, remat.by_price(graph))
+    lowest = simulate(graph, (), remat=order).peak_bytes
+    budget = (lowest + graph.baseline_peak_bytes) // 2
+    plain = ckptplan.solve(graph, budget, solver="dp")
+    plan = ckptplan.solve(graph, budget, solver="dp", remat=True)
+    assert plan.prediction.cost_seconds <= plain.prediction.cost_seconds
+    assert plan.prediction.peak_bytes <= budget
+    if not plan.regions:
+        k = len(plan.remat)
+        assert set(plan.remat) == set(order[:k])
+        assert simulate(graph, (), remat=order[: k - 1]).peak_bytes > budget
+
+
+def test_solve_with_remat_below_what_remat_alone_reaches(gpt) -> None:
+    """Below the rematerialised graph's own peak, regions are solved on that graph; the plan the
+    simulator confirms for the real graph fits the budget."""
+    _, _, graph = gpt
+    plan = ckptplan.solve(graph, 0.75, solver="dp", remat=True)
+    assert plan.prediction.peak_bytes <= plan.budget.bytes
+    assert plan.prediction.peak_bytes == simulate(graph, plan).peak_bytes
+
+
+def test_compiled_emitted_module_with_remat_equals_eager_original(gpt) -> None:
+    """Under torch.compile the rematerialisation wrappers step aside (the partitioner decides
+    what backward recomputes); the step equals the eager original's."""
+    model, args, graph = gpt
+    plan = make_plan(graph, [], remat=_names(graph, remat.by_price(graph)))
+    torch._dynamo.reset()
+    compiled = torch.compile(ckptplan.emit(graph, plan), backend="aot_eager", fullgraph=True)
+    assert_same_gradients(model, compiled, args)
