@@ -19,6 +19,7 @@ from ckptplan.plan import (
     ShardingInfo,
     SolverInfo,
 )
+from ckptplan.remat import indices
 from ckptplan.simulation import Report, build_region_tree, simulate
 from ckptplan.timeline import timeline_of
 
@@ -44,7 +45,7 @@ def make_plan(
     recorded as a hand-made (``manual``) plan.
     """
     regions = tuple(regions)
-    remat = tuple(sorted(remat, key=graph.index_of.__getitem__)) if remat else ()
+    remat = tuple(graph.nodes[i].name for i in indices(graph, remat)) if remat else ()
     tops = build_region_tree(graph, regions)
     report = report if report is not None else simulate(graph, regions, remat=remat)
     baseline = baseline_peak_bytes(graph)

@@ -89,6 +89,10 @@ def why_not(graph: ComputeGraph, index: int, saved_by: dict[int, tuple[int, ...]
         return "its own backward saves its output"
     if s in graph.inplace_writers:
         return "a later op writes into its output"
+    if any(o == index or s in graph.nodes[o].outputs for o in graph.outputs):
+        return "the model returns its output, which the caller may hold through backward"
+    if any(graph.storages[t].is_static and w > index for t, writers in graph.inplace_writers.items() for w in writers):
+        return "a later op writes in place into model state or an input, which it may read"
     reads = _read_storages(graph, node)
     if any(r not in node.saved for r in reads):
         return "its backward does not keep every activation it reads"

@@ -20,7 +20,6 @@ import contextlib
 import functools
 import operator
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -348,24 +347,53 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
 
 
 class _Recompute:
-    """How to make a rematerialised node's output again: its function and (detached) arguments.
-    ``made``: the last tensor it made in backward, while some backward still holds it."""
+    """How to make a rematerialised node's output again: its function, (detached) arguments, the
+    autocast state it ran under, and what it returned (dtype, shape, strides)."""
 
-    __slots__ = ("args", "fn", "kwargs", "made")
+    __slots__ = ("args", "autocast", "dtype", "fn", "kwargs", "shape", "stride")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: torch.Tensor) -> None:
         detach = lambda value: value.detach() if isinstance(value, torch.Tensor) else value
         self.fn = fn
         self.args = tuple(detach(a) for a in args)
         self.kwargs = {k: detach(v) for k, v in kwargs.items()}
-        self.made: weakref.ref | None = None
+        device = out.device.type
+        self.autocast = (
+            (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            if torch.amp.is_autocast_available(device) else None
+        )
+        self.dtype, self.shape, self.stride = out.dtype, out.shape, out.stride()
 
-    def tensor(self) -> torch.Tensor:
-        made = self.made() if self.made is not None else None
-        if made is None:
-            with torch.no_grad():
-                made = self.fn(*self.args, **self.kwargs)
-            self.made = weakref.ref(made)
+    def __call__(self) -> torch.Tensor:
+        autocast = contextlib.nullcontext() if self.autocast is None else torch.autocast(
+            self.autocast[0], dtype=self.autocast[2], enabled=self.autocast[1]
+        )
+        with torch.no_grad(), autocast:
+            made = self.fn(*self.args, **self.kwargs)
+        if made.dtype != self.dtype or made.shape != self.shape or made.stride() != self.stride:
+            raise RuntimeError(
+                f"A rematerialised op recomputed a {made.dtype} tensor of shape {tuple(made.shape)} where forward made "
+                f"{self.dtype} {tuple(self.shape)}; run the module as it was profiled, or solve with remat=False."
+            )
+        return made
+
+
+class _Unpacks:
+    """One saver call's tensors living in one rematerialised output: recomputed at the first
+    unpack, shared by the others, dropped after the last (so each saver recomputes it once, as
+    ``ckptplan.remat`` models). A second backward (``retain_graph``) recomputes per unpack."""
+
+    __slots__ = ("made", "pending", "recipe")
+
+    def __init__(self, recipe: _Recompute) -> None:
+        self.recipe = recipe
+        self.pending = 0
+        self.made: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor:
+        made = self.made if self.made is not None else self.recipe()
+        self.pending -= 1
+        self.made = made if self.pending > 0 else None
         return made
 
 
@@ -378,8 +406,9 @@ def _remat_source(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def remat(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            setattr(out, _RECOMPUTE_ATTR, _Recompute(fn, args, kwargs))
+        if (isinstance(out, torch.Tensor) and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and _storage_key(out) is not None):
+            setattr(out, _RECOMPUTE_ATTR, _Recompute(fn, args, kwargs, out))
         return out
 
     remat.__name__ = f"remat_{getattr(fn, '__name__', 'node')}"
@@ -395,33 +424,51 @@ def _remat_saver(fn: Callable[..., Any], sources: int) -> Callable[..., Any]:
         made, args = args[:sources], args[sources:]
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
-        recipes = {
-            t.untyped_storage().data_ptr(): getattr(t, _RECOMPUTE_ATTR)
-            for t in made if hasattr(t, _RECOMPUTE_ATTR) and t.untyped_storage().data_ptr()
+        groups = {
+            _storage_key(t): _Unpacks(getattr(t, _RECOMPUTE_ATTR)) for t in made if hasattr(t, _RECOMPUTE_ATTR)
         }
-        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, recipes), _unpack):
+        groups.pop(None, None)
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, groups), _unpack):
             return fn(*args, **kwargs)
 
     saver.__name__ = f"saves_remat_{getattr(fn, '__name__', 'node')}"
     return saver
 
 
-def _pack(recipes: dict[int, _Recompute], t: torch.Tensor) -> Any:
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    """(device, data pointer) of the storage ``t`` lives in; None for tensors without one of
+    their own (wrapper subclasses, meta tensors, empty storages)."""
+    if t.layout != torch.strided or type(t) not in (torch.Tensor, nn.Parameter):
+        return None
+    try:
+        pointer = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (str(t.device), pointer) if pointer else None
+
+
+def _pack(groups: dict[tuple[str, int], _Unpacks], t: torch.Tensor) -> Any:
     """A saved tensor living in a rematerialised output becomes its recipe and view geometry."""
-    if t.layout != torch.strided:
+    group = groups.get(_storage_key(t)) if groups else None
+    if group is None:
         return t
-    recipe = recipes.get(t.untyped_storage().data_ptr())
-    if recipe is None:
-        return t
-    return recipe, t.dtype, t.size(), t.stride(), t.storage_offset()
+    group.pending += 1
+    return group, t.dtype, t.size(), t.stride(), t.storage_offset()
 
 
 def _unpack(packed: Any) -> torch.Tensor:
     if isinstance(packed, torch.Tensor):
         return packed
-    recipe, dtype, size, stride, offset = packed
-    made = recipe.tensor()
-    if made.dtype != dtype:
+    if torch.is_grad_enabled():
+        # Only a backward with create_graph=True unpacks under grad mode; the recompute below has
+        # no autograd history, so higher-order gradients through it would be silently wrong.
+        raise RuntimeError(
+            "This module rematerialises ops (its plan's remat), which supports one backward, not a double "
+            "backward (create_graph=True); solve with remat=False (--no-remat) for that."
+        )
+    group, dtype, size, stride, offset = packed
+    made = group.take()
+    if dtype != made.dtype:
         made = made.view(dtype)
     return made.as_strided(size, stride, offset)
 
@@ -435,6 +482,11 @@ def _rematerialise(graph: ComputeGraph, plan: Plan, by_index: list[torch.fx.Node
             raise PlanFormatError(
                 f"Node {graph.nodes[i].name!r} is a {by_index[i].op} node; rematerialisation rewrites only "
                 "call_function nodes (profile with trace='export')."
+            )
+    for x in remat.nodes:
+        if not isinstance(by_index[x].meta.get("val"), torch.Tensor):
+            raise PlanFormatError(
+                f"Node {graph.nodes[x].name!r} does not return one tensor, so it cannot be rematerialised."
             )
     for x in remat.nodes:
         by_index[x].target = _remat_source(by_index[x].target)

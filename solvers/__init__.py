@@ -14,7 +14,7 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.plan import BudgetInfo, Plan, SolverInfo
 from ckptplan.repeats import find_blocks
 from ckptplan.sharding import split_at_unit_edges
-from ckptplan.simulation import simulate
+from ckptplan.simulation import build_region_tree, simulate
 from ckptplan.solvers import dp as _dp  # noqa: F401  (registers "dp")
 from ckptplan.solvers import ilp as _ilp  # registers "ilp"; auto calls it with warm starts
 from ckptplan.solvers import sqrt as _sqrt  # noqa: F401  (registers "sqrt")
@@ -142,21 +142,26 @@ def with_remat(
       of that order that fits (found by bisection: each prefix frees more, near enough; the
       prefix returned is simulated and fits);
     * otherwise ``run``'s plan for the graph with all of them rematerialised
-      (``remat.Remat.graph``), less those its regions contain, if the simulator confirms it fits
-      once savers inside its regions are left to them.
+      (``remat.Remat.graph``), less those its regions contain or store as inputs (they would
+      free nothing), if the simulator confirms it fits once savers inside its regions are left
+      to them.
 
-    Each ``run`` call gets ``time_limit``; ``solver`` names what ``run`` runs, for the notes.
-    Raises ``InfeasibleBudgetError`` with the least peak either reached when neither fits."""
+    In the second case ``time_limit`` is shared: half for the plain solve, the rest for the
+    other (without a limit, each solve takes its solver's default). ``solver`` names what
+    ``run`` runs, for the notes. Raises ``InfeasibleBudgetError`` with the least peak either
+    reached when neither fits."""
     started = time.perf_counter()
     order = _remat.by_price(graph)
+    names = tuple(graph.nodes[x].name for x in order)
+    alone = bool(order) and simulate(graph, (), remat=names).peak_bytes <= budget_bytes
+    both = bool(order) and not alone
     plans: list[Plan] = []
     errors: list[InfeasibleBudgetError] = []
     try:
-        plans.append(run(graph, time_limit))
+        plans.append(run(graph, time_limit / 2 if both and time_limit is not None else time_limit))
     except InfeasibleBudgetError as exc:
         errors.append(exc)
-    names = tuple(graph.nodes[x].name for x in order)
-    if order and simulate(graph, (), remat=names).peak_bytes <= budget_bytes:
+    if alone:
         fits, short = len(names), 0  # the prefix of length ``fits`` fits; ``short`` does not (or is empty)
         while fits - short > 1:
             middle = (fits + short) // 2
@@ -168,13 +173,17 @@ def with_remat(
         info = SolverInfo(name="remat", status="feasible", seconds=time.perf_counter() - started,
                           note=f"{chose}no regions, rematerialises {fits} of {len(names)} candidates, the fewest that fit")
         plans.append(solver_plan(graph, (), budget_bytes, info, remat=names[:fits]))
-    elif order:
+    elif both:
+        left = None if time_limit is None else max(time_limit - (time.perf_counter() - started), 1.0)
         try:
-            shrunk = run(_remat.Remat(graph, order, ()).graph, time_limit)
-        except InfeasibleBudgetError as exc:
-            errors.append(exc)
+            shrunk = run(_remat.Remat(graph, order, ()).graph, left)
+        except CkptPlanError as exc:  # infeasible, or out of time: the plain plan stands
+            if isinstance(exc, InfeasibleBudgetError):
+                errors.append(exc)
         else:
-            kept = _remat.outside(graph, order, shrunk.regions)
+            region_inputs = {s for top in build_region_tree(graph, shrunk.regions) for s in top.input_storages}
+            kept = [x for x in _remat.outside(graph, order, shrunk.regions)
+                    if graph.nodes[x].outputs[0] not in region_inputs]
             note = f"{shrunk.solver.note}; rematerialises {len(kept)} nodes".lstrip("; ")
             plan = solver_plan(graph, shrunk.regions, budget_bytes, shrunk.solver.model_copy(update={"note": note}),
                                remat=[graph.nodes[x].name for x in kept])
@@ -182,4 +191,5 @@ def with_remat(
                 plans.append(plan)
     if not plans:
         raise min(errors, key=lambda exc: exc.min_peak_bytes)
-    return min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
+    best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
+    return best.model_copy(update={"solver": best.solver.model_copy(update={"seconds": time.perf_counter() - started})})

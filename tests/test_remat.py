@@ -5,6 +5,7 @@ a real step's (MemTracker), the emitted module's gradients against the original'
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -14,6 +15,7 @@ import ckptplan
 from ckptplan import Region, remat
 from ckptplan.build import make_plan
 from ckptplan.errors import PlanFormatError
+from ckptplan.profiler.loss import training_loss
 from ckptplan.simulation import simulate
 from tests import models
 from tests.conftest import assert_same_gradients, load_example
@@ -155,3 +157,69 @@ def test_compiled_emitted_module_with_remat_equals_eager_original(gpt) -> None:
     torch._dynamo.reset()
     compiled = torch.compile(ckptplan.emit(graph, plan), backend="aot_eager", fullgraph=True)
     assert_same_gradients(model, compiled, args)
+
+
+def test_double_backward_through_a_rematerialised_op_is_refused(gpt) -> None:
+    """Recomputed without autograd, a rematerialised output has no history for higher-order
+    gradients: create_graph=True raises instead of returning wrong ones."""
+    model, args, graph = gpt
+    emitted = ckptplan.emit(graph, make_plan(graph, [], remat=_names(graph, remat.by_price(graph))))
+    loss = training_loss(emitted(*args))
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+
+
+class _Squares(torch.nn.Module):
+    """A GELU whose output one op saves twice (``g * g``) and a ``linear`` saves once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.side = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.nn.functional.gelu(self.up(x))
+        return self.down(g * g) + self.side(g)
+
+
+def test_each_saver_recomputes_once_even_when_it_saves_the_output_twice() -> None:
+    """Backward runs the GELU again once per saver: the mul unpacks two tensors living in its
+    output and shares one recompute."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountGelus(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountGelus.count += func is torch.ops.aten.gelu.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model, args = _Squares(), (torch.randn(64, 16),)
+    graph = ckptplan.profile(model, args)
+    gelu = next(i for i in remat.candidates(graph) if graph.nodes[i].op == "aten.gelu.default")
+    assert len(remat.savers(graph, gelu)) == 2  # the mul, which saves it as both operands, and side
+    plan = make_plan(graph, [], remat=[graph.nodes[gelu].name])
+    emitted = ckptplan.emit(graph, plan)
+    loss = emitted(*args).sum()
+    with CountGelus():
+        loss.backward()
+    assert CountGelus.count == len(remat.savers(graph, gelu))
+    assert_same_gradients(model, emitted, args)
+
+
+def test_rematerialised_ops_recompute_under_the_autocast_they_ran_in(gpt) -> None:
+    """A module emitted from an fp32 profile and run under bf16 autocast recomputes its layer
+    norms and GELUs as forward ran them (else backward would reinterpret fp32 bytes as bf16)."""
+    model, args, graph = gpt
+    emitted = ckptplan.emit(graph, make_plan(graph, [], remat=_names(graph, remat.by_price(graph))))
+    reference = copy.deepcopy(model)
+    grads = []
+    for module, owner in ((emitted, model), (reference, reference)):
+        owner.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = training_loss(module(*args))
+        loss.backward()
+        grads.append([p.grad for p in owner.parameters()])
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs)
