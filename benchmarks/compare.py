@@ -582,7 +582,7 @@ def _ckptplan_points(
                     continue
                 seen[key] = (metrics, f"{solver} at {budget / MIB:.1f} MiB")
             if plan.remat:
-                note = "; ".join(x for x in (f"rematerialises {len(plan.remat)} ops", note) if x)
+                note = "; ".join(x for x in (f"rematerialises {_plural(len(plan.remat), 'op')}", note) if x)
             elif not plan.regions:
                 note = "; ".join(x for x in ("empty plan: no checkpointing", note) if x)
             points.append(Point("ckptplan", setting, f"ckptplan {solver}", metrics, budget_bytes=budget,
