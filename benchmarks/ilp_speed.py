@@ -79,7 +79,7 @@ def gpt2_graph(layers: int) -> ckptplan.ComputeGraph | None:
 
 def overhead(graph: ckptplan.ComputeGraph, budget: int, solver: str) -> str:
     try:
-        return f"{ckptplan.solve(graph, budget, solver=solver).prediction.overhead:.3f}"
+        return f"{ckptplan.solve(graph, budget, solver=solver, remat=False).prediction.overhead:.3f}"
     except InfeasibleBudgetError:
         return "infeasible"
 
@@ -141,7 +141,9 @@ def limits(graphs: dict[str, ckptplan.ComputeGraph], seconds: list[float], solve
             for limit in seconds:
                 started = time.perf_counter()
                 try:
-                    plan = ckptplan.solve(graph, budget, solver=solver, time_limit=limit)
+                    # remat=False: the time limit is the ilp pipeline's alone (auto would share it
+                    # with a second solve on the rematerialised graph).
+                    plan = ckptplan.solve(graph, budget, solver=solver, time_limit=limit, remat=False)
                     overhead, status = f"{plan.prediction.overhead:.3f}", plan.solver.status
                 except InfeasibleBudgetError:
                     overhead, status = "-", "infeasible"
