@@ -9,12 +9,14 @@ instead. The emitter gets the same effect in eager mode with public hooks
 (``torch.autograd.graph.saved_tensors_hooks`` around ``C``): ``C``'s backward receives ``X``
 recomputed from ``Y`` when it unpacks it (``planner.emit``).
 
-A node ``X`` may be rematerialised (``candidates``) when its only output is a fresh activation
-that nothing writes in place, it draws no random numbers, its own backward does not save that
-output (``tanh`` does, so it would not be freed) and does save every activation it reads
-(``gelu``, ``layer_norm``, ``silu``, a ``mul`` of two tensors): then holding those inputs until a
-later op's backward costs no memory, since ``X``'s backward, which runs after, holds them
-longer. Ops that update state when run (batch norm's running statistics) are never candidates.
+A node ``X`` may be rematerialised (``candidates``, ``why_not``) when its only output is a fresh
+activation that nothing writes in place and the model does not return, it draws no random
+numbers, its own backward does not save that output (``tanh`` does, so it would not be freed)
+and does save every activation it reads (``gelu``, ``layer_norm``, ``silu``, a ``mul`` of two
+tensors): then holding those inputs until a later op's backward costs no memory, since ``X``'s
+backward, which runs after, holds them longer. Ops that update state when run (batch norm's
+running statistics) are never candidates, nor are ops that run before an in-place write into
+model state or an input (they might read it).
 
 The model of one step (``apply``, which ``simulation.simulate`` uses for a plan's ``remat``):
 each *saver* of ``X`` (a node outside every region whose backward saves ``X``'s output storage)
