@@ -223,6 +223,15 @@ class ComputeGraph:
         return tuple(tuple(u) for u in users)
 
     @cached_property
+    def saved_by(self) -> dict[int, tuple[int, ...]]:
+        """``saved_by[s]``: the nodes whose backward saves storage ``s``, ascending."""
+        found: dict[int, list[int]] = {}
+        for node in self.nodes:
+            for s in dict.fromkeys(node.saved):
+                found.setdefault(s, []).append(node.index)
+        return {s: tuple(nodes) for s, nodes in found.items()}
+
+    @cached_property
     def inplace_writers(self) -> dict[int, tuple[int, ...]]:
         """``inplace_writers[s]``: the in-place nodes writing into storage ``s``, ascending."""
         writers: dict[int, list[int]] = {}

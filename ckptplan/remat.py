@@ -51,22 +51,12 @@ def _read_storages(graph: ComputeGraph, node: Node) -> tuple[int, ...]:
     return tuple(found)
 
 
-def _saved_by(graph: ComputeGraph) -> dict[int, tuple[int, ...]]:
-    """``saved_by[s]``: the nodes whose backward saves storage ``s``, ascending."""
-    found: dict[int, list[int]] = {}
-    for node in graph.nodes:
-        for s in dict.fromkeys(node.saved):
-            found.setdefault(s, []).append(node.index)
-    return {s: tuple(nodes) for s, nodes in found.items()}
-
-
-def savers(graph: ComputeGraph, index: int, saved_by: dict[int, tuple[int, ...]] | None = None) -> tuple[int, ...]:
+def savers(graph: ComputeGraph, index: int) -> tuple[int, ...]:
     """Nodes other than ``index`` whose backward saves ``index``'s output storage."""
-    saved_by = _saved_by(graph) if saved_by is None else saved_by
-    return tuple(c for s in graph.nodes[index].outputs[:1] for c in saved_by.get(s, ()) if c != index)
+    return tuple(c for s in graph.nodes[index].outputs[:1] for c in graph.saved_by.get(s, ()) if c != index)
 
 
-def why_not(graph: ComputeGraph, index: int, saved_by: dict[int, tuple[int, ...]] | None = None) -> str | None:
+def why_not(graph: ComputeGraph, index: int) -> str | None:
     """Why node ``index`` cannot be rematerialised, or None when it can."""
     node = graph.nodes[index]
     if graph.trace != "export":
@@ -100,26 +90,24 @@ def why_not(graph: ComputeGraph, index: int, saved_by: dict[int, tuple[int, ...]
         return "its backward does not keep every activation it reads"
     if any(w > index for r in reads for w in graph.inplace_writers.get(r, ())):
         return "a later op writes into one of its inputs"
-    if not savers(graph, index, saved_by):
+    if not savers(graph, index):
         return "no later op saves its output"
     return None
 
 
 def candidates(graph: ComputeGraph) -> tuple[int, ...]:
     """Nodes that may be rematerialised (see the module docstring), in execution order."""
-    saved_by = _saved_by(graph)
-    return tuple(node.index for node in graph.nodes if why_not(graph, node.index, saved_by) is None)
+    return tuple(node.index for node in graph.nodes if why_not(graph, node.index) is None)
 
 
 def by_price(graph: ComputeGraph) -> tuple[int, ...]:
     """Candidates cheapest first, by recompute seconds (once per saver) per byte freed, leaving
     out any that reads another chosen one's output or whose output a chosen one reads: its
     holder would keep that output alive, and only one of the two frees anything."""
-    saved_by = _saved_by(graph)
 
     def price(x: int) -> float:
         node = graph.nodes[x]
-        return node.fwd_cost * len(savers(graph, x, saved_by)) / max(1, graph.storages[node.outputs[0]].nbytes)
+        return node.fwd_cost * len(savers(graph, x)) / max(1, graph.storages[node.outputs[0]].nbytes)
 
     chosen: list[int] = []
     outputs: set[int] = set()
@@ -157,12 +145,11 @@ def outside(graph: ComputeGraph, nodes: Iterable[int], regions: Sequence[Region]
 def indices(graph: ComputeGraph, names: Iterable[str]) -> tuple[int, ...]:
     """``names`` as node indices, ascending; unknown or unfit names are a ``PlanFormatError``."""
     found = []
-    saved_by = _saved_by(graph)
     for name in names:
         index = graph.index_of.get(name)
         if index is None:
             raise PlanFormatError(f"The plan rematerialises {name!r}, which is not a node of this graph.")
-        reason = why_not(graph, index, saved_by)
+        reason = why_not(graph, index)
         if reason is not None:
             raise PlanFormatError(f"The plan rematerialises {name!r}, which cannot be: {reason}.")
         found.append(index)
@@ -185,9 +172,8 @@ class Remat:
         self.nodes = tuple(nodes)
         # recomputed_by[c]: the rematerialised nodes saver c's backward recomputes.
         self.recomputed_by: dict[int, tuple[int, ...]] = {}
-        saved_by = _saved_by(graph)
         for x in self.nodes:
-            for c in savers(graph, x, saved_by):
+            for c in savers(graph, x):
                 if c not in covered:
                     self.recomputed_by[c] = (*self.recomputed_by.get(c, ()), x)
 

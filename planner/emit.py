@@ -318,12 +318,12 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
         raise PlanFormatError("The traced module no longer matches its ComputeGraph; profile the model again.")
     by_index = [value_map[n] for n in compute]
 
-    units = fsdp_units(graph)
     if isinstance(plan, Plan) and plan.remat:
         _rematerialise(graph, plan, by_index)
     counter = [0]
     wrappers: dict[str, nn.Module] = {}
     owner_modules = dict(source.named_modules())
+    units = fsdp_units(graph)
     in_unit = _regions_by_unit(regions, units)
     for k, unit in enumerate(units):
         unit_wrappers = _outline_unit(new_graph, by_index, unit, in_unit[k], counter, owner_modules, model)
