@@ -152,10 +152,12 @@ class ComputeGraph:
     seed_bytes: int = 0
     # Seconds checkpointing's machinery adds to a step (``profiler.cost.Roofline``): per region,
     # per node of a region (its saved-tensor hooks and the recompute's bookkeeping), and per
-    # kept node (its selective policy's dispatch modes, once in forward, once in the recompute).
+    # kept node (its selective policy's dispatch modes, once in forward, once in the recompute);
+    # and per recompute of a rematerialised node (its saving op's saved-tensor hooks).
     region_cost: float = 0.0
     region_op_cost: float = 0.0
     policy_op_cost: float = 0.0
+    remat_cost: float = 0.0
     # The dtype name ("bfloat16", "float16") when the step's forward runs under torch.autocast:
     # the graph's bytes are then those of that step, and the fingerprint tells it apart.
     autocast: str | None = None

@@ -101,13 +101,14 @@ def candidates(graph: ComputeGraph) -> tuple[int, ...]:
 
 
 def by_price(graph: ComputeGraph) -> tuple[int, ...]:
-    """Candidates cheapest first, by recompute seconds (once per saver) per byte freed, leaving
+    """Candidates cheapest first, by recompute seconds (once per saver, with the hooks' fixed
+    ``graph.remat_cost``) per byte freed, leaving
     out any that reads another chosen one's output or whose output a chosen one reads: its
     holder would keep that output alive, and only one of the two frees anything."""
 
     def price(x: int) -> float:
         node = graph.nodes[x]
-        return node.fwd_cost * len(savers(graph, x)) / max(1, graph.storages[node.outputs[0]].nbytes)
+        return (node.fwd_cost + graph.remat_cost) * len(savers(graph, x)) / max(1, graph.storages[node.outputs[0]].nbytes)
 
     chosen: list[int] = []
     outputs: set[int] = set()

@@ -76,7 +76,8 @@ class Report:
     recompute_flops: int
     recompute_seconds: float
     recomputed: tuple[int, ...]
-    # ``checkpoint_cost_seconds(graph, regions)``: the machinery's own time, beside the recompute.
+    # ``checkpoint_cost_seconds(graph, regions)``: the machinery's own time, beside the recompute
+    # (with ``graph.remat_cost`` per recompute of a rematerialised node).
     checkpoint_seconds: float
     timeline: tuple[Event, ...]
     baseline_resident_bytes: int
@@ -653,6 +654,7 @@ def simulate(
         report,
         recompute_flops=report.recompute_flops + sum(graph.nodes[x].fwd_flops for x in again),
         recompute_seconds=report.recompute_seconds + sum(graph.nodes[x].fwd_cost for x in again),
+        checkpoint_seconds=report.checkpoint_seconds + graph.remat_cost * len(again),
         recomputed=report.recomputed + tuple(again),
     )
 

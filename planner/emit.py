@@ -348,34 +348,41 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
 
 class _Recompute:
     """How to make a rematerialised node's output again: its function, (detached) arguments, the
-    autocast state it ran under, and what it returned (dtype, shape, strides)."""
+    autocast state it ran under (``None``: autocast off), and what it returned (dtype, shape,
+    strides). Called only from ``_unpack``, so under no_grad."""
 
-    __slots__ = ("args", "autocast", "dtype", "fn", "kwargs", "shape", "stride")
+    __slots__ = ("args", "autocast_dtype", "device", "dtype", "fn", "kwargs", "shape", "stride")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: torch.Tensor) -> None:
         detach = lambda value: value.detach() if isinstance(value, torch.Tensor) else value
         self.fn = fn
         self.args = tuple(detach(a) for a in args)
         self.kwargs = {k: detach(v) for k, v in kwargs.items()}
-        device = out.device.type
-        self.autocast = (
-            (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-            if torch.amp.is_autocast_available(device) else None
-        )
+        self.device = out.device.type
+        self.autocast_dtype = torch.get_autocast_dtype(self.device) if _autocast_on(self.device) else None
         self.dtype, self.shape, self.stride = out.dtype, out.shape, out.stride()
 
     def __call__(self) -> torch.Tensor:
-        autocast = contextlib.nullcontext() if self.autocast is None else torch.autocast(
-            self.autocast[0], dtype=self.autocast[2], enabled=self.autocast[1]
-        )
-        with torch.no_grad(), autocast:
-            made = self.fn(*self.args, **self.kwargs)
+        if self.autocast_dtype is None and not _autocast_on(self.device):
+            made = self.fn(*self.args, **self.kwargs)  # the common case: no context to enter
+        else:
+            with torch.autocast(self.device, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+                made = self.fn(*self.args, **self.kwargs)
         if made.dtype != self.dtype or made.shape != self.shape or made.stride() != self.stride:
             raise RuntimeError(
                 f"A rematerialised op recomputed a {made.dtype} tensor of shape {tuple(made.shape)} where forward made "
                 f"{self.dtype} {tuple(self.shape)}; run the module as it was profiled, or solve with remat=False."
             )
         return made
+
+
+@functools.cache
+def _autocast_available(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type)
+
+
+def _autocast_on(device_type: str) -> bool:
+    return _autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 class _Unpacks:

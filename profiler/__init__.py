@@ -118,6 +118,7 @@ def profile(
         region_cost=roofline.region_seconds,
         region_op_cost=roofline.region_op_seconds,
         policy_op_cost=roofline.policy_op_seconds,
+        remat_cost=roofline.remat_seconds,
         inputs=tuple(
             TensorSpec(shape=tuple(x.shape), dtype=str(x.dtype).removeprefix("torch."))
             for x in traced.flat_inputs

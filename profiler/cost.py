@@ -17,7 +17,7 @@ class Roofline:
     Defaults: NVIDIA A100 80GB SXM datasheet, dense BF16 tensor-core peak 312 TFLOP/s and
     2.039 TB/s HBM2e bandwidth; no fixed costs, since on a GPU the host's dispatch and
     checkpoint bookkeeping run ahead of the kernels and hide behind them on models large
-    enough to need checkpointing. ``ckptplan.measure_roofline()`` measures all six numbers on
+    enough to need checkpointing. ``ckptplan.measure_roofline()`` measures all seven numbers on
     the host it runs on, where they do not hide (on this CPU a region cost about 0.2 ms).
 
     ``op_seconds``: fixed cost of running one graph op (dispatch, kernel launch).
@@ -29,6 +29,10 @@ class Roofline:
     ``policy_op_seconds``: what each kept node adds, once in forward and once in the recompute:
     ``emit`` runs it inside a selective policy's dispatch mode, which sees every op it
     dispatches (the region's other nodes run outside any mode).
+    ``remat_seconds``: what each recompute of a rematerialised op (``ckptplan.remat``; one per
+    op that saves its output) adds besides the op's own time: recording how to recompute it in
+    forward, and the saved-tensor hooks (Python) that pack what the saving op stores in forward
+    and unpack it in backward.
     """
 
     peak_flops_per_s: float = 312e12
@@ -37,6 +41,7 @@ class Roofline:
     region_seconds: float = 0.0
     region_op_seconds: float = 0.0
     policy_op_seconds: float = 0.0
+    remat_seconds: float = 0.0
 
     def seconds(self, flops: float, bytes_moved: float) -> float:
         return self.op_seconds + max(flops / self.peak_flops_per_s, bytes_moved / self.bandwidth_bytes_per_s)

@@ -190,15 +190,16 @@ def test_measured_times_need_real_tensors() -> None:
 
 
 def test_measured_roofline_carries_this_machine_s_fixed_costs_into_plans() -> None:
-    """``measure_roofline`` times the host; the graph carries its region, per-op and policy
-    costs, so ``simulate`` charges them to a plan with regions and keep-sets."""
+    """``measure_roofline`` times the host; the graph carries its region, per-op, policy and
+    rematerialisation costs, so ``simulate`` charges them to a plan with regions and keep-sets."""
     roofline = ckptplan.measure_roofline(repeats=5)
     assert roofline.peak_flops_per_s > 0 and roofline.bandwidth_bytes_per_s > 0 and roofline.op_seconds > 0
-    assert min(roofline.region_seconds, roofline.region_op_seconds, roofline.policy_op_seconds) >= 0
+    assert min(roofline.region_seconds, roofline.region_op_seconds, roofline.policy_op_seconds,
+               roofline.remat_seconds) >= 0
     model, x = models.mlp(depth=4, width=16), torch.randn(8, 16)
     graph = ckptplan.profile(model, (x,), roofline=roofline)
-    assert (graph.region_cost, graph.region_op_cost, graph.policy_op_cost) == (
-        roofline.region_seconds, roofline.region_op_seconds, roofline.policy_op_seconds)
+    assert (graph.region_cost, graph.region_op_cost, graph.policy_op_cost, graph.remat_cost) == (
+        roofline.region_seconds, roofline.region_op_seconds, roofline.policy_op_seconds, roofline.remat_seconds)
     plan = ckptplan.make_plan(graph, [ckptplan.Region(0, 4, keep=(graph.nodes[0].name,))])
     expected = roofline.region_seconds + 4 * roofline.region_op_seconds + 2 * roofline.policy_op_seconds
     assert plan.prediction.checkpoint_seconds == pytest.approx(expected)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -79,6 +80,20 @@ def test_predicted_peak_is_the_measured_one_and_gradients_match(gpt, with_region
     emitted = ckptplan.emit(graph, plan)
     _assert_matches(graph, plan, ckptplan.measure_step(emitted, args).peak_bytes)
     assert_same_gradients(model, emitted, args)
+
+
+def test_each_recompute_is_charged_the_hooks_fixed_cost(gpt) -> None:
+    """``graph.remat_cost`` (``Roofline.remat_seconds``) is charged once per recompute, that is
+    per saver of each rematerialised node, as machinery beside the op's own time."""
+    _, _, graph = gpt
+    names = _names(graph, remat.by_price(graph))
+    free = make_plan(graph, [], remat=names)
+    charged = make_plan(replace(graph, remat_cost=1e-3), [], remat=names)
+    recomputes = len(remat.Remat(graph, remat.indices(graph, names), ()).recomputations)
+    assert recomputes >= len(names) > 0
+    assert free.prediction.checkpoint_seconds == 0
+    assert charged.prediction.checkpoint_seconds == pytest.approx(1e-3 * recomputes)
+    assert charged.prediction.recompute_seconds == free.prediction.recompute_seconds
 
 
 def test_a_saver_inside_a_region_is_left_to_the_region(gpt) -> None:
