@@ -5,13 +5,13 @@ simulator."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ckptplan import remat as _remat
 from ckptplan.build import solver_plan
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import BudgetInfo, Plan, SolverInfo
+from ckptplan.plan import BudgetInfo, Plan, Region, SolverInfo
 from ckptplan.repeats import find_blocks
 from ckptplan.sharding import split_at_unit_edges
 from ckptplan.simulation import build_region_tree, simulate
@@ -143,8 +143,8 @@ def with_remat(
       prefix returned is simulated and fits);
     * otherwise ``run``'s plan for the graph with all of them rematerialised
       (``remat.Remat.graph``), less those its regions contain or store as inputs (they would
-      free nothing), if the simulator confirms it fits once savers inside its regions are left
-      to them.
+      free nothing) and those ``shed_remat`` finds the plan fits without, if the simulator
+      confirms it fits once savers inside its regions are left to them.
 
     In the second case ``time_limit`` is shared: half for the plain solve, the rest for the
     other (without a limit, each solve takes its solver's default). ``solver`` names what
@@ -184,6 +184,7 @@ def with_remat(
             region_inputs = {s for top in build_region_tree(graph, shrunk.regions) for s in top.input_storages}
             kept = [x for x in _remat.outside(graph, order, shrunk.regions)
                     if graph.nodes[x].outputs[0] not in region_inputs]
+            kept = shed_remat(graph, shrunk.regions, kept, budget_bytes)
             note = f"{shrunk.solver.note}; rematerialises {len(kept)} nodes".lstrip("; ")
             plan = solver_plan(graph, shrunk.regions, budget_bytes, shrunk.solver.model_copy(update={"note": note}),
                                remat=[graph.nodes[x].name for x in kept])
@@ -193,3 +194,25 @@ def with_remat(
         raise min(errors, key=lambda exc: exc.min_peak_bytes)
     best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
     return best.model_copy(update={"solver": best.solver.model_copy(update={"seconds": time.perf_counter() - started})})
+
+
+SHED_SIMULATED_NODES = 20_000  # shed_remat simulates at most this many nodes' worth of plans (and 8 plans)
+
+
+def shed_remat(graph: ComputeGraph, regions: tuple[Region, ...], nodes: Sequence[int], budget_bytes: int) -> list[int]:
+    """``nodes`` (rematerialised beside ``regions``) less those the plan fits ``budget_bytes``
+    without: dearest first (recompute seconds, with the hooks' fixed cost, times savers outside
+    regions), each dropped when the simulated peak stays within the budget. Regions solved on a
+    graph with every candidate rematerialised often leave bytes to spare, which pays for
+    recomputing fewer. Deterministic: at most ``max(8, SHED_SIMULATED_NODES // nodes)``
+    simulations, so large graphs try only their dearest few."""
+    covered = _remat.Remat(graph, nodes, regions).recomputed_by
+    recomputes = {x: sum(x in xs for xs in covered.values()) for x in nodes}
+    dearest = sorted(nodes, key=lambda x: (-(graph.nodes[x].fwd_cost + graph.remat_cost) * recomputes[x], x))
+    kept = list(nodes)
+    for x in dearest[: max(8, SHED_SIMULATED_NODES // max(1, len(graph.nodes)))]:
+        trial = [y for y in kept if y != x]
+        names = [graph.nodes[y].name for y in trial]
+        if simulate(graph, regions, remat=names).peak_bytes <= budget_bytes:
+            kept = trial
+    return kept

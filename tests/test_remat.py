@@ -18,6 +18,7 @@ from ckptplan.build import make_plan
 from ckptplan.errors import PlanFormatError
 from ckptplan.profiler.loss import training_loss
 from ckptplan.simulation import simulate
+from ckptplan.solvers import shed_remat
 from tests import models
 from tests.conftest import assert_same_gradients, load_example
 
@@ -162,6 +163,27 @@ def test_solve_with_remat_below_what_remat_alone_reaches(gpt) -> None:
     plan = ckptplan.solve(graph, 0.75, solver="dp", remat=True)
     assert plan.prediction.peak_bytes <= plan.budget.bytes
     assert plan.prediction.peak_bytes == simulate(graph, plan).peak_bytes
+
+
+def test_shedding_drops_the_rematerialisations_a_plan_fits_without(gpt) -> None:
+    """``shed_remat`` keeps only what the budget needs: all of them at the peak they reach
+    together, none at the peak the regions reach alone; what it keeps always fits, at no more
+    cost than rematerialising everything."""
+    _, _, graph = gpt
+    n = len(graph.nodes)
+    regions = (Region(min(b for b in graph.boundaries if b >= n // 3), max(b for b in graph.boundaries if b <= n // 2)),)
+    every = list(remat.outside(graph, remat.by_price(graph), regions))
+    together = make_plan(graph, regions, remat=_names(graph, tuple(every)))
+    alone = simulate(graph, regions).peak_bytes
+    assert together.prediction.peak_bytes < alone
+    assert shed_remat(graph, regions, every, alone) == []
+    for budget in (together.prediction.peak_bytes, (together.prediction.peak_bytes + alone) // 2):
+        kept = shed_remat(graph, regions, every, budget)
+        assert set(kept) <= set(every)
+        plan = make_plan(graph, regions, remat=_names(graph, tuple(kept)))
+        assert plan.prediction.peak_bytes <= budget
+        assert plan.prediction.cost_seconds <= together.prediction.cost_seconds
+    assert len(shed_remat(graph, regions, every, (together.prediction.peak_bytes + alone) // 2)) < len(every)
 
 
 def test_compiled_emitted_module_with_remat_equals_eager_original(gpt) -> None:
