@@ -21,6 +21,7 @@ import argparse
 import copy
 import functools
 import importlib.util
+import itertools
 import logging
 import math
 import os
@@ -224,6 +225,7 @@ class Point:
     predicted_bytes: int | None = None
     predicted_time_ratio: float | None = None  # ckptplan's: 1 + the plan's predicted overhead
     solver: str | None = None
+    knob: float | None = None  # torch.compile's activation_memory_budget
     regions: int | None = None  # top-level regions of a ckptplan plan; 0 and no remat: the empty plan
     remat: int = 0  # nodes a ckptplan plan rematerialises (``ckptplan.remat``)
     note: str = ""
@@ -499,9 +501,11 @@ def _compile_points(work: Workload, ref_grads: dict, settings: Settings) -> list
                 seen[key] = (metrics, setting)
         except Exception as exc:  # noqa: BLE001 (likewise: recorded as "failed")
             log.warning("  torch.compile failed: %s", _one_line(exc))
-            points.append(Point("torch.compile min-cut", setting, "torch.compile", status=f"failed: {_one_line(exc)}"))
+            points.append(Point("torch.compile min-cut", setting, "torch.compile", status=f"failed: {_one_line(exc)}",
+                                knob=budget, solver=solver))
             continue
-        points.append(Point("torch.compile min-cut", setting, "torch.compile", metrics, note=note))
+        points.append(Point("torch.compile min-cut", setting, "torch.compile", metrics, knob=budget, solver=solver,
+                            note=note))
     return points
 
 
@@ -755,6 +759,56 @@ def _auto_vs_dp(result: ModelResult) -> tuple[int, int]:
     return differ, dp_faster
 
 
+def rises(pairs: Sequence[tuple[float, int]]) -> list[tuple[tuple[float, int], tuple[float, int]]]:
+    """(budget, measured peak) pairs, budgets in falling order, where the lower budget measured a
+    higher peak than the next higher one: where the peak does not fall monotonically with the budget."""
+    ordered = sorted(pairs, reverse=True)
+    return [(a, b) for a, b in itertools.pairwise(ordered) if b[1] > a[1]]
+
+
+def ckptplan_rises(result: ModelResult, solver: str) -> list[tuple[tuple[float, int], tuple[float, int]]] | None:
+    """``rises`` over ``solver``'s measured points by budget (None: fewer than two)."""
+    pairs = [(p.budget_bytes, p.metrics.peak_bytes) for p in _measured(result.points, f"ckptplan {solver}")]
+    return rises(pairs) if len(pairs) > 1 else None
+
+
+def compile_rises(result: ModelResult) -> list[tuple[tuple[float, int], tuple[float, int]]] | None:
+    """``rises`` over torch.compile's knob, with the knapsack solver every budget runs (None: fewer
+    than two measured)."""
+    points = [p for p in _measured(result.points, "torch.compile") if p.knob is not None]
+    first = min((p.solver for p in points if p.knob < 1.0), default=None, key=COMPILE_SOLVERS.index)
+    pairs = [(p.knob, p.metrics.peak_bytes) for p in points if p.knob >= 1.0 or p.solver == first]
+    return rises(pairs) if len(pairs) > 1 else None
+
+
+def _monotone_sentence(result: ModelResult) -> str | None:
+    """Whether each ckptplan solver's measured peak, and torch.compile's, falls with the budget."""
+    clean, broken = [], []
+    for solver in CKPTPLAN_SOLVERS:
+        found = ckptplan_rises(result, solver)
+        if found is None:
+            continue
+        if not found:
+            clean.append(solver)
+            continue
+        (b1, p1), (b2, p2) = found[0]
+        broken.append(f"{solver} (budget {b1 / MIB:.1f} MiB measured {p1 / MIB:.1f} MiB, "
+                      f"{b2 / MIB:.1f} MiB measured {p2 / MIB:.1f} MiB)")
+    parts = []
+    if clean:
+        parts.append(f"falls with the budget for ckptplan {', '.join(clean)}")
+    if broken:
+        parts.append(f"rises as the budget falls for ckptplan {'; '.join(broken)}")
+    knob = compile_rises(result)
+    if knob is not None:
+        if knob:
+            (k1, p1), (k2, p2) = knob[0]
+            parts.append(f"rises as torch.compile's knob falls ({k1:g}: {p1 / MIB:.1f} MiB, {k2:g}: {p2 / MIB:.1f} MiB)")
+        else:
+            parts.append("falls with torch.compile's knob")
+    return ("Measured peak " + "; ".join(parts) + ".") if parts else None
+
+
 def summarize(result: ModelResult) -> list[str]:
     """A few sentences computed from the measurements: lowest peaks, head-to-head at equal peak
     (ckptplan's default solver, and the best of all), torch.compile, losses, gradient differences."""
@@ -812,6 +866,9 @@ def summarize(result: ModelResult) -> list[str]:
         ]
         more = f" and {len(losses) - 3} more" if len(losses) > 3 else ""
         out.append(f"Where ckptplan {label} loses: " + "; ".join(named) + more + ".")
+    monotone = _monotone_sentence(result)
+    if monotone:
+        out.append(monotone)
     differ, dp_faster = _auto_vs_dp(result)
     if dp_faster:
         out.append(
@@ -884,6 +941,12 @@ def overall_summary(results: Sequence[ModelResult]) -> str:
             f"no-checkpoint peak vs {100 * statistics.median(b for _, b in lowest):.0f}% for torch.compile "
             f"(median over those models)"
         )
+    auto = [r for r in (ckptplan_rises(result, "auto") for result in results) if r is not None]
+    knob = [r for r in (compile_rises(result) for result in results) if r is not None]
+    if auto:
+        text += f"; auto's measured peak fell with its budget on {sum(not r for r in auto)} of {len(auto)} models"
+        if knob:
+            text += f", torch.compile's with its knob on {sum(not r for r in knob)} of {len(knob)}"
     text += "; ckptplan's gradients always matched" if ours_grads_ok else "; some ckptplan gradients differed"
     if compile_grads:
         text += (

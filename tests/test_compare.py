@@ -137,3 +137,34 @@ def test_plot_writes_a_png(compare: ModuleType, quick: tuple[Any, str, list[str]
     path = tmp_path / "plots" / "compare_quick.png"
     compare.plot(report.results[0], path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rises_finds_where_a_lower_budget_measured_a_higher_peak(compare: ModuleType) -> None:
+    """The monotonicity sentences: BERT's knob measured 28.6, 24.4 and 28.7 MiB at 0.8, 0.5 and
+    0.2 (RESULTS.md), a rise; ckptplan's budgets here fall with their peaks."""
+    from types import SimpleNamespace
+
+    def point(group: str, peak_mib: float, **fields: Any) -> Any:
+        metrics = compare.Metrics(peak_bytes=int(peak_mib * 2**20), flops=0, time_ratio=1.0, grads="yes")
+        return compare.Point("m", "s", group, metrics, **fields)
+
+    mib = 2**20
+    result = SimpleNamespace(points=[
+        point("torch.compile", 34.8, knob=1.0, solver="dp"),
+        point("torch.compile", 28.6, knob=0.8, solver="dp"),
+        point("torch.compile", 24.4, knob=0.5, solver="dp"),
+        point("torch.compile", 23.1, knob=0.5, solver="ilp"),  # other knapsack solvers are left out
+        point("torch.compile", 28.7, knob=0.2, solver="dp"),
+        point("ckptplan auto", 28.4, budget_bytes=int(28.6 * mib), solver="auto"),
+        point("ckptplan auto", 14.9, budget_bytes=int(14.9 * mib), solver="auto"),
+        point("ckptplan dp", 23.1, budget_bytes=int(23.1 * mib), solver="dp"),
+        point("ckptplan dp", 23.9, budget_bytes=int(22.0 * mib), solver="dp"),
+    ])
+    assert compare.compile_rises(result) == [((0.5, int(24.4 * mib)), (0.2, int(28.7 * mib)))]
+    assert compare.ckptplan_rises(result, "auto") == []
+    assert len(compare.ckptplan_rises(result, "dp")) == 1
+    assert compare.ckptplan_rises(result, "ilp") is None
+    sentence = compare._monotone_sentence(result)
+    assert "falls with the budget for ckptplan auto" in sentence
+    assert "rises as the budget falls for ckptplan dp" in sentence
+    assert "rises as torch.compile's knob falls (0.5: 24.4 MiB, 0.2: 28.7 MiB)" in sentence
