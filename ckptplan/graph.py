@@ -74,6 +74,9 @@ class Node:
     mask; CPU's, a ``bernoulli_`` then a ``mul`` that saves the mask as an input, has made only
     the mask). None: the storages of its own it saves.
     ``fwd_cost`` / ``bwd_cost``: roofline time estimates in seconds (see profiler.cost).
+    ``fwd_freed_bytes``: storages its dispatched ops return in forward that are freed before it
+    ends (``torch.diff(x, prepend=...)``'s ``cat``), unlike kernel-internal buffers: a selective
+    policy keeping the node caches them too, so such a node is never kept (``keepable``).
     """
 
     index: int
@@ -99,6 +102,7 @@ class Node:
     bytes_moved: int = 0
     fwd_cost: float = 0.0
     bwd_cost: float = 0.0
+    fwd_freed_bytes: int = 0
 
 
 @dataclass(frozen=True)

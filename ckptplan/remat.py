@@ -100,6 +100,13 @@ def candidates(graph: ComputeGraph) -> tuple[int, ...]:
     return tuple(node.index for node in graph.nodes if why_not(graph, node.index) is None)
 
 
+def conflicts(graph: ComputeGraph, nodes: Sequence[int]) -> list[tuple[int, int]]:
+    """Pairs (x, y) of ``nodes`` where x reads y's output: rematerialising both frees only one of
+    the two (x's backward, which would hold y's output for x's recompute, no longer holds it)."""
+    output_of = {graph.nodes[y].outputs[0]: y for y in nodes}
+    return [(x, output_of[s]) for x in nodes for s in _read_storages(graph, graph.nodes[x]) if s in output_of]
+
+
 def by_price(graph: ComputeGraph) -> tuple[int, ...]:
     """Candidates cheapest first, by recompute seconds (once per saver, with the hooks' fixed
     ``graph.remat_cost``) per byte freed, leaving

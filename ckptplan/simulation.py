@@ -51,6 +51,10 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region
 from ckptplan.remat import Remat, indices
 
+# What a kept node may free inside (and its selective policy then cache) without the model
+# counting it: scalars (a non-random attention frees an 8-byte scale). ``Node.fwd_freed_bytes``.
+FREED_SCALAR_BYTES = 16
+
 Phase = Literal["forward", "recompute", "backward"]
 # A storage instance: (storage index, tag); tag 0 is the original forward, tag u > 0 the
 # copy made when the region with uid u is recomputed.
@@ -204,6 +208,11 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
                 raise PlanFormatError(
                     f"Node {name!r} cannot be kept: {writer!r} later modifies its output in place, "
                     "so the saved value would be stale."
+                )
+            if graph.nodes[index].fwd_freed_bytes > FREED_SCALAR_BYTES:
+                raise PlanFormatError(
+                    f"Node {name!r} cannot be kept: its op frees {graph.nodes[index].fwd_freed_bytes:,} bytes of "
+                    "intermediates a selective policy would cache too, which the memory model does not count."
                 )
             keep.add(index)
         info.keep = frozenset(keep)

@@ -75,6 +75,7 @@ class _AllocationMeter(TorchDispatchMode):
         self.cache_dtype: torch.dtype | None = None  # autocast's dtype, when its cache is on
         self.cached_casts: list[torch.Tensor] = []
         self.made_by_last_save: frozenset[int] = frozenset()  # keys allocated when autograd last saved
+        self.made: list[tuple[StorageWeakRef, int]] = []  # every storage allocated since start(), with its bytes
 
     def start(self, *existing: Collection[int], watch: Iterable[torch.Tensor] = ()) -> None:
         """Measure from zero.
@@ -93,6 +94,7 @@ class _AllocationMeter(TorchDispatchMode):
         self.saw_random = False
         self.cached_casts = []
         self.made_by_last_save = frozenset()
+        self.made = []
         for t in watch:
             key = storage_key(t)
             if not self._is_known(key) and key not in self._live:
@@ -102,6 +104,10 @@ class _AllocationMeter(TorchDispatchMode):
         """Autograd is saving a tensor (a saved-tensor hook's pack): note what exists now."""
         self._prune()
         self.made_by_last_save = frozenset(self._live)
+
+    def freed_bytes(self) -> int:
+        """Bytes of the storages allocated since ``start()`` that are already freed."""
+        return sum(nbytes for ref, nbytes in self.made if ref.expired())
 
     def _is_known(self, key: int) -> bool:
         return any(key in keys for keys in self._known)
@@ -125,7 +131,9 @@ class _AllocationMeter(TorchDispatchMode):
             key = storage_key(t)
             if key not in self._live and not self._is_known(key):
                 nbytes = t.untyped_storage().nbytes()
-                self._live[key] = (StorageWeakRef(t.untyped_storage()), nbytes)
+                ref = StorageWeakRef(t.untyped_storage())
+                self._live[key] = (ref, nbytes)
+                self.made.append((ref, nbytes))
                 self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         return out
@@ -436,6 +444,7 @@ def _record_node(
     casts = counter.alloc.cached_casts  # parameter casts autocast's cache holds past this op
     kept = {storage_key(t) for t in (*_tensors(out), *saved_log, *casts)}
     fwd_workspace = max(0, counter.alloc.peak_bytes - counter.alloc.alive_bytes(kept))
+    fwd_freed = counter.alloc.freed_bytes()
     random = counter.alloc.saw_random
 
     out_tensors = _tensors(out)
@@ -498,6 +507,7 @@ def _record_node(
         bwd_flops=int(bwd_flops),
         fwd_workspace_bytes=int(fwd_workspace),
         bwd_workspace_bytes=int(bwd_workspace),
+        fwd_freed_bytes=int(fwd_freed),
         made_by_last_save=tuple(made_by_last_save),
         bytes_moved=int(bytes_moved),
         fwd_cost=recorder.roofline.seconds(fwd_flops, bytes_moved),

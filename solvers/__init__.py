@@ -17,6 +17,7 @@ from ckptplan.sharding import split_at_unit_edges
 from ckptplan.simulation import build_region_tree, simulate
 from ckptplan.solvers import dp as _dp  # noqa: F401  (registers "dp")
 from ckptplan.solvers import ilp as _ilp  # registers "ilp"; auto calls it with warm starts
+from ckptplan.solvers import remat_ilp as _remat_ilp
 from ckptplan.solvers import sqrt as _sqrt  # noqa: F401  (registers "sqrt")
 from ckptplan.solvers.registry import available_solvers, get_solver, register
 from ckptplan.units import describe_bytes, parse_budget
@@ -144,21 +145,32 @@ def with_remat(
     * otherwise ``run``'s plan for the graph with all of them rematerialised
       (``remat.Remat.graph``), less those its regions contain or store as inputs (they would
       free nothing) and those ``shed_remat`` finds the plan fits without, if the simulator
-      confirms it fits once savers inside its regions are left to them.
+      confirms it fits once savers inside its regions are left to them;
+    * for ``auto`` and ``ilp`` when the graph is small enough and the time allows
+      (``remat_ilp.affordable``), then the joint model's neighbourhood search from the cheapest
+      of these (``remat_ilp.search_with_remat``), which chooses regions and rematerialisation
+      together.
 
-    In the second case ``time_limit`` is shared: half for the plain solve, the rest for the
-    other (without a limit, each solve takes its solver's default). ``solver`` names what
-    ``run`` runs, for the notes. Raises ``InfeasibleBudgetError`` with the least peak either
-    reached when neither fits."""
+    ``time_limit`` is shared: ``PLAIN_SHARE`` for the plain solve and ``JOINT_SHARE`` for the
+    neighbourhood search when it runs, the rest for the solve on the rematerialised graph (half
+    each without the search); without a limit the solves take their solver's default and the
+    search ``JOINT_SECONDS``. ``solver`` names what ``run`` runs, for the notes and the search.
+    Raises ``InfeasibleBudgetError`` with the least peak either reached when neither fits."""
     started = time.perf_counter()
     order = _remat.by_price(graph)
     names = tuple(graph.nodes[x].name for x in order)
     alone = bool(order) and simulate(graph, (), remat=names).peak_bytes <= budget_bytes
     both = bool(order) and not alone
+    joint_seconds = JOINT_SECONDS if time_limit is None else time_limit * JOINT_SHARE
+    joint = solver in ("auto", "ilp") and _remat_ilp.affordable(graph, joint_seconds)
+    if time_limit is None:
+        plain_seconds = None
+    else:
+        plain_seconds = time_limit * (PLAIN_SHARE if joint else 0.5) if both or joint else time_limit
     plans: list[Plan] = []
     errors: list[InfeasibleBudgetError] = []
     try:
-        plans.append(run(graph, time_limit / 2 if both and time_limit is not None else time_limit))
+        plans.append(run(graph, plain_seconds))
     except InfeasibleBudgetError as exc:
         errors.append(exc)
     if alone:
@@ -174,7 +186,9 @@ def with_remat(
                           note=f"{chose}no regions, rematerialises {fits} of {len(names)} candidates, the fewest that fit")
         plans.append(solver_plan(graph, (), budget_bytes, info, remat=names[:fits]))
     elif both:
-        left = None if time_limit is None else max(time_limit - (time.perf_counter() - started), 1.0)
+        left = None
+        if time_limit is not None:
+            left = max(time_limit - (joint_seconds if joint else 0.0) - (time.perf_counter() - started), 1.0)
         try:
             shrunk = run(_remat.Remat(graph, order, ()).graph, left)
         except CkptPlanError as exc:  # infeasible, or out of time: the plain plan stands
@@ -193,9 +207,18 @@ def with_remat(
     if not plans:
         raise min(errors, key=lambda exc: exc.min_peak_bytes)
     best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
+    if joint and best.prediction.cost_seconds > 0:
+        seconds = joint_seconds if time_limit is None else max(time_limit - (time.perf_counter() - started), 1.0)
+        found = _remat_ilp.search_with_remat(graph, budget_bytes, best, time_limit=seconds)
+        if found is not None:
+            chose = "auto chose ilp: " if solver == "auto" else ""
+            best = found.model_copy(update={"solver": found.solver.model_copy(update={"note": chose + found.solver.note})})
     return best.model_copy(update={"solver": best.solver.model_copy(update={"seconds": time.perf_counter() - started})})
 
 
+PLAIN_SHARE = 0.4  # of with_remat's time limit: the plain solve, when the joint search follows
+JOINT_SHARE = 0.3  # and the joint search
+JOINT_SECONDS = 10.0  # the joint search's time without a limit (beside the solver's own defaults)
 SHED_SIMULATED_NODES = 20_000  # shed_remat simulates at most this many nodes' worth of plans (and 8 plans)
 
 

@@ -44,11 +44,17 @@ def extract_regions(graph: ComputeGraph, v: IlpVars, value) -> tuple[Region, ...
     return tuple(regions)
 
 
+def extract_remat(graph: ComputeGraph, v: IlpVars, value) -> tuple[str, ...]:
+    """The names of the nodes the decision values rematerialise, in execution order."""
+    return tuple(graph.nodes[x].name for x in sorted(v.remat) if value(v.remat[x]))
+
+
 def fix_plan(
-    model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...], *, free: range = range(0)
+    model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...], *, free: range = range(0),
+    remat: tuple[str, ...] = (),
 ) -> None:
-    """Force the decisions of a one-level plan, except those of the nodes in ``free``, which are
-    only hinted."""
+    """Force the decisions of a one-level plan rematerialising ``remat``, except those of the
+    nodes in ``free``, which are only hinted."""
     n = len(graph.nodes)
     rec, start, keep = [0] * n, [0] * n, [0] * n
     for region in regions:
@@ -63,6 +69,10 @@ def fix_plan(
             pairs.append((v.keep[t], keep[t]))
         elif keep[t]:
             raise CkptPlanError(f"node {graph.nodes[t].name!r} cannot be kept")
+        if t in v.remat:
+            pairs.append((v.remat[t], int(graph.nodes[t].name in remat)))
+        elif graph.nodes[t].name in remat:
+            raise CkptPlanError(f"node {graph.nodes[t].name!r} is no rematerialisation candidate of this model")
         for var, value in pairs:
             if t in free:
                 model.AddHint(var, value)

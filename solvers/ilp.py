@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 from ortools.sat.python import cp_model
 
+from ckptplan import remat as _remat
 from ckptplan.build import solver_plan
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
@@ -183,33 +184,40 @@ def _sweeps(
 
 
 def model_peak(
-    graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None, bounding: bool = False
+    graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None, bounding: bool = False,
+    remat: tuple[str, ...] = (),
 ) -> int:
-    """The least peak the model allows for one fixed one-level plan (tests compare it with
-    ``simulate``: they must agree). ``bounding``: with ``IlpVars.bounding_clauses`` added, which
-    must change nothing."""
-    return _fixed_optimum(graph, regions, window, lambda v: v.peak, bounding=bounding)
+    """The least peak the model allows for one fixed one-level plan rematerialising ``remat``
+    (tests compare it with ``simulate``: they must agree). ``bounding``: with
+    ``IlpVars.bounding_clauses`` added, which must change nothing."""
+    return _fixed_optimum(graph, regions, window, lambda v: v.peak, bounding=bounding, remat=remat)
 
 
 def model_cost(
     graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None, budget_bytes: int | None = None,
-    bounding: bool = False,
+    bounding: bool = False, remat: tuple[str, ...] = (),
 ) -> float:
     """The least cost (seconds) the model allows for one fixed one-level plan within
     ``budget_bytes`` (tests compare it with ``simulate``'s ``cost_seconds`` at the simulated
-    peak: they must agree up to ``COST_SCALE`` rounding). ``bounding`` as for ``model_peak``."""
-    return _fixed_optimum(graph, regions, window, lambda v: v.cost, budget_bytes, bounding=bounding) / COST_SCALE
+    peak: they must agree up to ``COST_SCALE`` rounding). ``bounding`` and ``remat`` as for
+    ``model_peak``."""
+    return _fixed_optimum(
+        graph, regions, window, lambda v: v.cost, budget_bytes, bounding=bounding, remat=remat
+    ) / COST_SCALE
 
 
 def _fixed_optimum(
     graph: ComputeGraph, regions: tuple[Region, ...], window: int | None,
     objective: Callable[[IlpVars], cp_model.LinearExprT], budget_bytes: int | None = None, *, bounding: bool = False,
+    remat: tuple[str, ...] = (),
 ) -> int:
-    """The least value of ``objective`` over the model with ``regions``' decisions fixed."""
-    model, v = build_model(graph, budget_bytes, window=window)
+    """The least value of ``objective`` over the model with ``regions``' decisions fixed (and
+    ``remat``'s, among every rematerialisation candidate when it names any)."""
+    candidates = _remat.candidates(graph) if remat else ()
+    model, v = build_model(graph, budget_bytes, window=window, remat=candidates)
     if bounding:
         add_bounding_clauses(model, v)
-    fix_plan(model, graph, v, tuple(regions))
+    fix_plan(model, graph, v, tuple(regions), remat=tuple(remat))
     target = objective(v)
     model.Minimize(target)
     solver = cp_model.CpSolver()

@@ -19,6 +19,10 @@ Decision families (``t`` a node index, ``n`` nodes):
 * ``rec_{t}`` — node t runs inside a region.
 * ``start_{t}`` — a region starts at node t (only at a boundary).
 * ``keep_{t}`` — node t is inside a region and its outputs are kept (cached in forward).
+* ``remat_{x}`` — candidate x (``build_model``'s ``remat``; ``ckptplan.remat``) is
+  rematerialised: outside every region, its output is dropped after forward by the savers
+  outside regions and recomputed in each one's backward. No two where one reads the other's
+  output (``remat.conflicts``).
 
 Derived families (each defined by constraints next to where it is created):
 
@@ -51,6 +55,9 @@ Derived families (each defined by constraints next to where it is created):
   (``build_model``'s ``deferred_phases``) holds little beyond the decisions and the forward
   rows until ``add_events`` adds rows, instead of families CP-SAT's presolve would only remove
   again, slowly on the larger graphs.
+* ``again_{x}_{j}`` — saver j of rematerialised x's output lies outside regions, so j's backward
+  recomputes x: x's fresh bytes and forward workspace join j's backward event, and the objective
+  pays x's forward seconds and ``graph.remat_cost`` (a lower bound: it only adds).
 * ``recomputed_{t}`` — node t is recomputed (in a region that is recomputed, before its early
   stop, not kept): what the objective pays for, with the machinery's cost (``_machinery_cost``:
   per ``start``, ``rec`` and ``keep``). ``IlpVars.bounding_clauses``: redundant
@@ -68,14 +75,15 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
 from ckptplan.graph import ComputeGraph
+from ckptplan.remat import conflicts, savers
 from ckptplan.sharding import unit_edges
-from ckptplan.simulation import gradient_bytes, later_inplace_writer, made_at_early_stop
+from ckptplan.simulation import FREED_SCALAR_BYTES, gradient_bytes, later_inplace_writer, made_at_early_stop
 
 # A memory row: ``live <= peak`` when every literal of ``enforce`` holds.
 Row = tuple[cp_model.LinearExprT, list]
@@ -94,7 +102,9 @@ class IlpVars:
     cost: cp_model.LinearExpr
     window: int
     counts: dict[str, int] = field(default_factory=dict)
-    bounding_clauses: list[tuple[cp_model.IntVar, cp_model.IntVar]] = field(default_factory=list)
+    bounding_clauses: list[tuple[cp_model.IntVar, ...]] = field(default_factory=list)
+    # ``remat_{x}`` by candidate node (empty unless ``build_model`` was given candidates).
+    remat: dict[int, cp_model.IntVar] = field(default_factory=dict)
     # ``recomputed_{t}`` by node, for the nodes whose recompute costs something (the objective's terms).
     recomputed: dict[int, cp_model.IntVar] = field(default_factory=dict)
     # Memory rows left out of the model, by event (``build_model``'s ``deferred_phases``): each
@@ -107,9 +117,11 @@ class IlpVars:
 
 class _Builder:
     def __init__(
-        self, graph: ComputeGraph, budget_bytes: int | None, window: int, deferred_phases: frozenset[str] = frozenset()
+        self, graph: ComputeGraph, budget_bytes: int | None, window: int, deferred_phases: frozenset[str] = frozenset(),
+        remat: Sequence[int] = (),
     ) -> None:
         self.g = graph
+        self.remat_candidates = tuple(sorted(remat))
         self.n = n = len(graph.nodes)
         self.W = window
         self.m = cp_model.CpModel()
@@ -211,6 +223,22 @@ class _Builder:
             for t in range(self.W, n):
                 m.Add(sum(self.cont[t - self.W + 1: t + 1]) <= self.W - 1)
 
+    def rematerialisation(self) -> None:
+        """``remat_{x}`` for each candidate, and ``again_{x}_{j}`` for each of its savers."""
+        m, g = self.m, self.g
+        self.remat = {x: m.NewBoolVar(f"remat_{x}") for x in self.remat_candidates}
+        self.remat_of: dict[int, cp_model.IntVar] = {}  # by output storage
+        self.again: dict[int, list[tuple[int, cp_model.IntVar]]] = defaultdict(list)  # by saver: (x, again_{x}_{j})
+        for x, var in self.remat.items():
+            m.AddImplication(var, self.rec[x].Not())
+            self.remat_of[g.nodes[x].outputs[0]] = var
+            for j in savers(g, x):
+                again = m.NewBoolVar(f"again_{x}_{j}")
+                self.implies([var, self.rec[j].Not()], again)
+                self.again[j].append((x, again))
+        for x, y in conflicts(g, self.remat_candidates):
+            m.AddBoolOr([self.remat[x].Not(), self.remat[y].Not()])
+
     def same(self, a: int, b: int) -> cp_model.IntVar:
         """``same_{a}_{b}``: nodes a ≤ b lie in one region (false beyond the window)."""
         if a > b:
@@ -290,11 +318,17 @@ class _Builder:
         def after(i: int) -> int:
             return i if i in self.runs_backward else 0  # a saver whose backward never runs never releases
 
-        # Savers outside regions hold until their own backward.
-        for s, savers in self.savers.items():
-            for j in savers:
-                m.AddBoolOr([self.rec[j], self.held[s]])
-                need[s].append((after(j), lambda j=j: [self.rec[j].Not()]))
+        # Savers outside regions hold until their own backward, unless the storage is the output
+        # of a rematerialised node other than the saver (then it recomputes it instead).
+        for s, nodes in self.savers.items():
+            dropped = self.remat_of.get(s)
+            for j in nodes:
+                if dropped is None or j == g.storages[s].producer:
+                    m.AddBoolOr([self.rec[j], self.held[s]])
+                    need[s].append((after(j), lambda j=j: [self.rec[j].Not()]))
+                else:
+                    m.AddBoolOr([self.rec[j], self.held[s], dropped])
+                    need[s].append((after(j), lambda j=j, r=dropped: [self.rec[j].Not(), r.Not()]))
         # Region inputs: q's output read by u inside a region that starts after q, at some k in
         # (q, u], held until backward passes k.
         for q, node in enumerate(g.nodes):
@@ -451,7 +485,13 @@ class _Builder:
     def backward_events(self) -> None:
         for i in self.base.runs:
             self.event(("backward", i), lambda i=i: (
-                self.resident + self.base.during[i] + sum(self.held_originals(i)) + sum(self._copy_terms(i)), []))
+                self.resident + self.base.during[i] + sum(self.held_originals(i)) + sum(self._copy_terms(i))
+                + sum(self._again_terms(i)), []))
+
+    def _again_terms(self, i: int) -> list:
+        """What recomputing rematerialised nodes in saver i's backward allocates (``again``)."""
+        g = self.g
+        return [(g.new_bytes(x) + g.nodes[x].fwd_workspace_bytes) * var for x, var in self.again.get(i, ())]
 
     def _copy_terms(self, i: int) -> list:
         """Terms for ``copy_{s}_{i}``, made here (only backward event i reads them): s was
@@ -618,10 +658,16 @@ class _Builder:
             terms.append(cost * var)
         self.recomputed = recomputed
         self.bounding_clauses = self.hold_or_recompute(recomputed)
+        for pairs in self.again.values():
+            for x, var in pairs:
+                cost = round((g.nodes[x].fwd_cost + g.remat_cost) * COST_SCALE)
+                if cost > 0:
+                    terms.append(cost * var)
         return sum(terms) + self._machinery_cost()
 
-    def hold_or_recompute(self, recomputed: dict[int, cp_model.IntVar]) -> list[tuple[cp_model.IntVar, cp_model.IntVar]]:
-        """Pairs for redundant clauses ``held_s or recomputed_p`` (p the producer of s): a storage
+    def hold_or_recompute(self, recomputed: dict[int, cp_model.IntVar]) -> list[tuple[cp_model.IntVar, ...]]:
+        """Literals for redundant clauses ``held_s or recomputed_p`` (p the producer of s; ``or
+        remat_p`` when p is a rematerialisation candidate, whose savers then hold nothing): a storage
         that some node at or after p saves, for a backward that runs, is either held from the
         forward or made again by recomputing p. Every plan satisfies them (a saver outside
         regions holds s; one in another region than p makes s that region's input; one in p's
@@ -635,7 +681,8 @@ class _Builder:
         for s in self.dynamic:
             p = self.g.storages[s].producer
             if p in recomputed and any(j >= p and j in self.runs_backward for j in self.savers.get(s, ())):
-                pairs.append((self.held[s], recomputed[p]))
+                dropped = self.remat_of.get(s)
+                pairs.append((self.held[s], recomputed[p]) if dropped is None else (self.held[s], recomputed[p], dropped))
         return pairs
 
     def _machinery_cost(self) -> cp_model.LinearExpr:
@@ -672,9 +719,15 @@ def add_bounding_clauses(model: cp_model.CpModel, v: IlpVars) -> None:
 
 def keepable(graph: ComputeGraph, t: int) -> bool:
     """What a keep-set may name: an op that allocates (keeping a view saves nothing, its storage
-    is its base's), draws no random numbers, and whose output no later op overwrites in place."""
+    is its base's), draws no random numbers, frees no more than scalars of what its dispatched
+    ops return (a selective policy would cache it too, which the model does not count:
+    ``Node.fwd_freed_bytes``; a non-random attention frees an 8-byte scale), and whose output no
+    later op overwrites in place."""
     node = graph.nodes[t]
-    return not node.random and bool(graph.produced_by(t)) and later_inplace_writer(graph, t) is None
+    return (
+        not node.random and node.fwd_freed_bytes <= FREED_SCALAR_BYTES and bool(graph.produced_by(t))
+        and later_inplace_writer(graph, t) is None
+    )
 
 
 def region_window(graph: ComputeGraph, window: int | None) -> int:
@@ -685,7 +738,7 @@ def region_window(graph: ComputeGraph, window: int | None) -> int:
 
 def build_model(
     graph: ComputeGraph, budget_bytes: int | None = None, *, window: int | None = None,
-    deferred_phases: frozenset[str] = frozenset(),
+    deferred_phases: frozenset[str] = frozenset(), remat: Sequence[int] = (),
 ) -> tuple[cp_model.CpModel, IlpVars]:
     """The CP-SAT model of one-level plans for ``graph`` whose simulated peak is at most ``peak``
     (bounded by ``budget_bytes`` when given). The objective is left to the caller: minimise
@@ -699,9 +752,13 @@ def build_model(
     memory rows are left out of the model and kept in ``vars.deferred`` by event
     (``(phase, node)``, as ``simulation.Event`` names them), for ``add_events``: without them the
     model is a relaxation (``solvers.ilp_lazy`` adds the rows plans violate).
+
+    ``remat``: rematerialisation candidates (``ckptplan.remat.candidates``) the plan may
+    rematerialise beside its regions (``remat_{x}``); none by default.
     """
-    b = _Builder(graph, budget_bytes, region_window(graph, window), deferred_phases)
+    b = _Builder(graph, budget_bytes, region_window(graph, window), deferred_phases, remat)
     b.decisions()
+    b.rematerialisation()
     b.structure()
     b.retention()
     b.forward_events()
@@ -722,5 +779,6 @@ def build_model(
         recomputed=b.recomputed,
         deferred=b.deferred,
         link_alive=b.link_alive,
+        remat=b.remat,
     )
     return b.m, variables

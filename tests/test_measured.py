@@ -14,8 +14,9 @@ import torch
 
 import ckptplan
 from ckptplan import Region
-from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.errors import InfeasibleBudgetError, PlanFormatError
 from ckptplan.profiler.loss import training_loss
+from ckptplan.solvers.ilp_model import keepable
 from tests import models
 from tests.conftest import load_example
 
@@ -187,3 +188,29 @@ def test_gradient_added_to_a_slice_of_cat_s_gradient_frees_that_gradient() -> No
     plan = ckptplan.make_plan(graph, [Region(0, 13), Region(30, 43), Region(46, 49)])
     measured = ckptplan.measure_step(ckptplan.emit(graph, plan), args).peak_bytes
     assert plan.prediction.peak_bytes == measured
+
+
+def test_a_node_that_frees_what_its_ops_return_is_never_kept() -> None:
+    """``torch.diff(x, prepend=...)`` (as transformers' GPT-2 mask code calls it) runs a ``cat``
+    that it frees before it returns; a selective policy keeping ``diff`` caches that ``cat`` too,
+    which the memory model does not count (it measured 1,056 bytes over the prediction, and over
+    the budget, on the zoo's GPT-2). The profiler records the bytes, and no keep-set may name
+    the node."""
+
+    class Diff(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.b(torch.diff(h, dim=1, prepend=h[:, :1]))
+
+    torch.manual_seed(0)
+    graph = ckptplan.profile(Diff(), (torch.randn(8, 64),))
+    diff = next(n for n in graph.nodes if n.op == "aten.diff.default")
+    assert diff.fwd_freed_bytes >= 8 * 65 * 4  # the cat of the prepended column and h
+    assert not keepable(graph, diff.index)
+    with pytest.raises(PlanFormatError, match="cannot be kept: its op frees"):
+        ckptplan.make_plan(graph, [Region(0, len(graph.nodes), keep=(diff.name,))])
+    assert all(n.fwd_freed_bytes == 0 for n in graph.nodes if n is not diff)

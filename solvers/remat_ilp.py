@@ -1,0 +1,133 @@
+"""Regions and rematerialisation chosen together: the ``ilp`` model with a ``remat_{x}`` decision
+per candidate (``build_model(remat=...)``; ``ckptplan.remat``), searched from a plan by
+large-neighbourhood search.
+
+``solvers.with_remat`` first chooses the two apart: rematerialisation alone, or regions solved on
+a graph where every candidate is rematerialised, then the candidates the plan fits without shed.
+Here each candidate is a decision beside the regions and keep-sets of the nodes around it, so a
+step can trade a region for rematerialised ops or the other way round (one level of regions,
+keep-sets, any conflict-free set of candidates outside regions). CP-SAT on the whole joint model
+at once found nothing better than its start in 15 s on the BERT of ``benchmarks/compare.py``,
+where these steps lowered the cost by 5-10%; so it is searched a neighbourhood at a time, as
+``ilp.improve_locally`` does for regions alone. The model is built whole (no lazy rows), so this
+suits graphs of up to ``ilp.FLAT_MAX_NODES`` nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ortools.sat.python import cp_model
+
+from ckptplan import remat as _remat
+from ckptplan.build import solver_plan
+from ckptplan.graph import ComputeGraph
+from ckptplan.plan import Plan, Region, SolverInfo
+from ckptplan.simulation import simulate
+from ckptplan.solvers.cpsat import configure, extract_regions, extract_remat, fix_plan, solve_interruptibly, stopped
+from ckptplan.solvers.ilp import (
+    BUILD_SECONDS_PER_PAIR,
+    DETERMINISTIC_SECONDS_PER_SECOND,
+    FLAT_MAX_NODES,
+    LNS_WINDOW,
+)
+from ckptplan.solvers.ilp_model import build_model, region_window
+
+log = logging.getLogger(__name__)
+
+STEP_DETERMINISTIC_SECONDS = 0.25  # CP-SAT's deterministic clock per neighbourhood step
+STEP_SECONDS = 1.5  # about what a step took on the GPT example and BERT here (the copied model's presolve, mostly)
+
+# The least time worth a joint search: building the model comes first (about
+# ``BUILD_SECONDS_PER_PAIR`` per node and window step: 1.5 s for a 160-node graph here).
+MIN_SECONDS = 5.0
+
+
+def affordable(graph: ComputeGraph, seconds: float | None) -> bool:
+    """Whether a joint search of ``seconds`` (None: no limit) suits ``graph``: candidates to
+    decide, at most ``FLAT_MAX_NODES`` nodes, and time for more than building the model twice."""
+    if not _remat.candidates(graph) or len(graph.nodes) > FLAT_MAX_NODES:
+        return False
+    build = BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, None)
+    return seconds is None or seconds >= max(MIN_SECONDS, 2 * build)
+
+
+def search_with_remat(
+    graph: ComputeGraph, budget_bytes: int, start: Plan, *, time_limit: float, max_steps: int | None = None,
+    seed: int = 0,
+) -> Plan | None:
+    """The cheapest plan a large-neighbourhood search of the joint model finds from ``start`` (a
+    plan of one level that fits ``budget_bytes``) in ``time_limit`` seconds, or None when it finds
+    none cheaper. As ``ilp.improve_locally`` does for regions alone: free the decisions (region,
+    keep and rematerialisation) of ``LNS_WINDOW`` nodes at a time (``_neighbourhoods``, dearest
+    first), fix the rest to the incumbent, and move to any cheaper plan the simulator confirms
+    (then rank the neighbourhoods again); stop when a whole round finds nothing, or after ``max_steps`` steps (default ``time_limit / STEP_SECONDS``) or
+    ``ilp.DETERMINISTIC_SECONDS_PER_SECOND`` of the limit on CP-SAT's deterministic clock: the same
+    inputs give the same plan unless the wall clock, which only backs these up, ends it first."""
+    started = time.perf_counter()
+    deadline = started + time_limit
+    if any(r.children for r in start.regions):
+        return None
+    # Regions at most a neighbourhood longer than the start's longest: each step frees one
+    # neighbourhood, and a smaller model makes each step's copy and presolve cheaper.
+    window = max(2 * LNS_WINDOW, max((r.end - r.start for r in start.regions), default=0) + LNS_WINDOW)
+    model, v = build_model(graph, budget_bytes, window=window, remat=_remat.candidates(graph))
+    model.Minimize(v.cost)
+    clock = time_limit * DETERMINISTIC_SECONDS_PER_SECOND
+    best, best_cost, steps = (start.regions, start.remat), start.prediction.cost_seconds, 0
+    most_steps = max(1, int(time_limit / STEP_SECONDS)) if max_steps is None else max_steps
+    improved = True
+    while improved and clock > 0 and steps < most_steps and time.perf_counter() < deadline and not stopped.is_set():
+        improved = False
+        for lo in _neighbourhoods(graph, *best):
+            if clock <= 0 or steps >= most_steps or time.perf_counter() >= deadline:
+                break
+            sub = model.Clone()
+            fix_plan(sub, graph, v, best[0], free=range(lo, lo + LNS_WINDOW), remat=best[1])
+            solver = cp_model.CpSolver()
+            configure(solver, wall_seconds=deadline - time.perf_counter(),
+                      deterministic_seconds=min(STEP_DETERMINISTIC_SECONDS, clock), workers=1, seed=seed)
+            # Most of a step's time is CP-SAT's presolve of the copied model; these cut it by about
+            # half on the GPT example (160 nodes, 45,000 variables), with the same step optima.
+            solver.parameters.max_presolve_iterations = 1
+            solver.parameters.cp_model_probing_level = 0
+            solver.parameters.symmetry_level = 0
+            code = solve_interruptibly(solver, sub)
+            clock -= solver.ResponseProto().deterministic_time
+            steps += 1
+            if stopped.is_set():
+                break
+            if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                continue
+            regions, remat = extract_regions(graph, v, solver.Value), extract_remat(graph, v, solver.Value)
+            report = simulate(graph, regions, remat=remat)
+            if report.peak_bytes <= budget_bytes and report.cost_seconds < best_cost:
+                best, best_cost, improved = (regions, remat), report.cost_seconds, True
+                break  # rank the neighbourhoods again around the new plan
+    if best == (start.regions, start.remat):
+        return None
+    proto = model.Proto()
+    note = (
+        f"one-level regions with keep-sets and rematerialisation chosen together ({len(graph.nodes)} nodes, "
+        f"{len(proto.variables)} variables): {steps} neighbourhood steps from a plan costing "
+        f"{start.prediction.cost_seconds * 1e3:.2f} ms; rematerialises {len(best[1])} nodes"
+    )
+    info = SolverInfo(name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note)
+    return solver_plan(graph, best[0], budget_bytes, info, remat=best[1])
+
+
+def _neighbourhoods(graph: ComputeGraph, regions: tuple[Region, ...], remat: tuple[str, ...]) -> list[int]:
+    """First nodes of the ``LNS_WINDOW``-node neighbourhoods (every half window) where the plan
+    spends something, dearest first: the forward seconds of the nodes it recomputes there (a
+    rematerialised node once per recompute) and the fixed cost of each region starting there. A
+    step can only lower the cost where the neighbourhood holds some; the rest is fixed."""
+    report = simulate(graph, regions, remat=remat)
+    spent = [0.0] * len(graph.nodes)
+    for t in report.recomputed:
+        spent[t] += graph.nodes[t].fwd_cost
+    for region in regions:
+        spent[region.start] += graph.region_cost
+    starts = range(0, max(1, len(graph.nodes) - LNS_WINDOW // 2), LNS_WINDOW // 2)
+    weights = {lo: sum(spent[lo:lo + LNS_WINDOW]) for lo in starts}
+    return sorted((lo for lo in starts if weights[lo] > 0), key=lambda lo: (-weights[lo], lo))
