@@ -60,6 +60,11 @@ log = logging.getLogger(__name__)
 
 INF = math.inf
 DEFAULT_MEM_UNITS = 1000  # memory resolution: resident memory to the no-checkpoint peak in this many units
+# What one candidate chain's curve is budgeted per node under a time limit: the limit buys
+# ``time_limit / (CHAIN_SECONDS_PER_NODE * nodes)`` chains (at least one), a count and not the
+# clock, so a plan does not depend on the machine's load (a transformers GPT-2 block's chains
+# took 0.03-0.06 s for 41 nodes here, ``blocks.DP_SECONDS_PER_NODE``).
+CHAIN_SECONDS_PER_NODE = 0.0013
 MAX_MEM_UNITS = 16384  # the finest resolution a caller's ``mem_unit`` may ask for
 
 
@@ -254,7 +259,8 @@ def solve_dp(
     the DP answers every budget (``solvers.dp_curve``).
 
     On a graph with skips, each of ``candidate_chains`` is solved and the cheapest plan wins
-    (``time_limit`` stops trying further chains once one has a plan). On a chain of one-node
+    (under ``time_limit``, at most ``CHAIN_SECONDS_PER_NODE`` per node for each chain tried
+    after the first). On a chain of one-node
     stages the DP's memory model is the simulator's, so the plan is optimal. Merged stages are
     modelled conservatively in most respects, but not all (a merged stage's internal gradient
     accumulation, for one); every plan is checked with ``simulate``, and if one overshoots, the
@@ -283,8 +289,11 @@ def solve_dp(
     curves: list[CostCurve] = []
     best: _Found | None = None
     least_bytes = graph.baseline_peak_bytes
+    most_chains = len(chains) if time_limit is None else max(
+        1, math.floor(time_limit / (CHAIN_SECONDS_PER_NODE * max(1, len(graph.nodes))))
+    )
     for index in range(len(chains)):
-        if best is not None and time_limit is not None and time.perf_counter() - started > time_limit:
+        if best is not None and index >= most_chains:
             break
         curve, least = memo.curve(graph, index, mem_unit)
         curves.append(curve)
