@@ -75,7 +75,8 @@ class _AllocationMeter(TorchDispatchMode):
         self.cache_dtype: torch.dtype | None = None  # autocast's dtype, when its cache is on
         self.cached_casts: list[torch.Tensor] = []
         self.made_by_last_save: frozenset[int] = frozenset()  # keys allocated when autograd last saved
-        self.made: list[tuple[StorageWeakRef, int]] = []  # every storage allocated since start(), with its bytes
+        self.freed = 0  # bytes of the storages allocated since start() that have died since
+        self._watched: set[int] = set()  # keys of ``watch``'s live storages, not allocated since start()
 
     def start(self, *existing: Collection[int], watch: Iterable[torch.Tensor] = ()) -> None:
         """Measure from zero.
@@ -94,10 +95,12 @@ class _AllocationMeter(TorchDispatchMode):
         self.saw_random = False
         self.cached_casts = []
         self.made_by_last_save = frozenset()
-        self.made = []
+        self.freed = 0
+        self._watched = set()
         for t in watch:
             key = storage_key(t)
             if not self._is_known(key) and key not in self._live:
+                self._watched.add(key)
                 self._live[key] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
 
     def saving(self) -> None:
@@ -107,7 +110,8 @@ class _AllocationMeter(TorchDispatchMode):
 
     def freed_bytes(self) -> int:
         """Bytes of the storages allocated since ``start()`` that are already freed."""
-        return sum(nbytes for ref, nbytes in self.made if ref.expired())
+        self._prune()
+        return self.freed
 
     def _is_known(self, key: int) -> bool:
         return any(key in keys for keys in self._known)
@@ -119,7 +123,12 @@ class _AllocationMeter(TorchDispatchMode):
 
     def _prune(self) -> None:
         for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
-            self.current_bytes -= self._live.pop(key)[1]
+            nbytes = self._live.pop(key)[1]
+            self.current_bytes -= nbytes
+            if key in self._watched:
+                self._watched.discard(key)  # its key may now come back with a new allocation
+            else:
+                self.freed += nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = _as_eager(func, args, func(*args, **(kwargs or {})))
@@ -131,9 +140,7 @@ class _AllocationMeter(TorchDispatchMode):
             key = storage_key(t)
             if key not in self._live and not self._is_known(key):
                 nbytes = t.untyped_storage().nbytes()
-                ref = StorageWeakRef(t.untyped_storage())
-                self._live[key] = (ref, nbytes)
-                self.made.append((ref, nbytes))
+                self._live[key] = (StorageWeakRef(t.untyped_storage()), nbytes)
                 self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         return out

@@ -24,7 +24,7 @@ from ckptplan import remat as _remat
 from ckptplan.build import solver_plan
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
-from ckptplan.simulation import simulate
+from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.cpsat import configure, extract_regions, extract_remat, fix_plan, solve_interruptibly, stopped
 from ckptplan.solvers.ilp import (
     BUILD_SECONDS_PER_PAIR,
@@ -62,7 +62,8 @@ def search_with_remat(
     none cheaper. As ``ilp.improve_locally`` does for regions alone: free the decisions (region,
     keep and rematerialisation) of ``LNS_WINDOW`` nodes at a time (``_neighbourhoods``, dearest
     first), fix the rest to the incumbent, and move to any cheaper plan the simulator confirms
-    (then rank the neighbourhoods again); stop when a whole round finds nothing, or after ``max_steps`` steps (default ``time_limit / STEP_SECONDS``) or
+    (then rank the neighbourhoods again); stop when a whole round finds nothing, or after
+    ``max_steps`` steps (default ``time_limit / STEP_SECONDS``) or
     ``ilp.DETERMINISTIC_SECONDS_PER_SECOND`` of the limit on CP-SAT's deterministic clock: the same
     inputs give the same plan unless the wall clock, which only backs these up, ends it first."""
     started = time.perf_counter()
@@ -75,12 +76,12 @@ def search_with_remat(
     model, v = build_model(graph, budget_bytes, window=window, remat=_remat.candidates(graph))
     model.Minimize(v.cost)
     clock = time_limit * DETERMINISTIC_SECONDS_PER_SECOND
-    best, best_cost, steps = (start.regions, start.remat), start.prediction.cost_seconds, 0
+    best, best_report, steps = (start.regions, start.remat), simulate(graph, start), 0
     most_steps = max(1, int(time_limit / STEP_SECONDS)) if max_steps is None else max_steps
     improved = True
     while improved and clock > 0 and steps < most_steps and time.perf_counter() < deadline and not stopped.is_set():
         improved = False
-        for lo in _neighbourhoods(graph, *best):
+        for lo in _neighbourhoods(graph, best[0], best_report):
             if clock <= 0 or steps >= most_steps or time.perf_counter() >= deadline:
                 break
             sub = model.Clone()
@@ -102,8 +103,8 @@ def search_with_remat(
                 continue
             regions, remat = extract_regions(graph, v, solver.Value), extract_remat(graph, v, solver.Value)
             report = simulate(graph, regions, remat=remat)
-            if report.peak_bytes <= budget_bytes and report.cost_seconds < best_cost:
-                best, best_cost, improved = (regions, remat), report.cost_seconds, True
+            if report.peak_bytes <= budget_bytes and report.cost_seconds < best_report.cost_seconds:
+                best, best_report, improved = (regions, remat), report, True
                 break  # rank the neighbourhoods again around the new plan
     if best == (start.regions, start.remat):
         return None
@@ -114,15 +115,15 @@ def search_with_remat(
         f"{start.prediction.cost_seconds * 1e3:.2f} ms; rematerialises {len(best[1])} nodes"
     )
     info = SolverInfo(name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note)
-    return solver_plan(graph, best[0], budget_bytes, info, remat=best[1])
+    return solver_plan(graph, best[0], budget_bytes, info, report=best_report, remat=best[1])
 
 
-def _neighbourhoods(graph: ComputeGraph, regions: tuple[Region, ...], remat: tuple[str, ...]) -> list[int]:
+def _neighbourhoods(graph: ComputeGraph, regions: tuple[Region, ...], report: Report) -> list[int]:
     """First nodes of the ``LNS_WINDOW``-node neighbourhoods (every half window) where the plan
-    spends something, dearest first: the forward seconds of the nodes it recomputes there (a
-    rematerialised node once per recompute) and the fixed cost of each region starting there. A
-    step can only lower the cost where the neighbourhood holds some; the rest is fixed."""
-    report = simulate(graph, regions, remat=remat)
+    (``regions`` and the rematerialisation ``report`` simulated with them) spends something,
+    dearest first: the forward seconds of the nodes it recomputes there (a rematerialised node
+    once per recompute) and the fixed cost of each region starting there. A step can only lower
+    the cost where the neighbourhood holds some; the rest is fixed."""
     spent = [0.0] * len(graph.nodes)
     for t in report.recomputed:
         spent[t] += graph.nodes[t].fwd_cost

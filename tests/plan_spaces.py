@@ -8,15 +8,7 @@ import random
 
 from ckptplan import Region
 from ckptplan.graph import ComputeGraph
-from ckptplan.simulation import FREED_SCALAR_BYTES, later_inplace_writer
-
-
-def keepable(graph: ComputeGraph, j: int) -> bool:
-    """What the ilp may keep: an op that allocates, draws no random numbers, frees no more than
-    scalars inside, is not overwritten."""
-    node = graph.nodes[j]
-    return (not node.random and node.fwd_freed_bytes <= FREED_SCALAR_BYTES and bool(graph.produced_by(j))
-            and later_inplace_writer(graph, j) is None)
+from ckptplan.solvers.ilp_model import keepable
 
 
 def one_level_plans(graph: ComputeGraph, max_keeps: int | None = None):
