@@ -77,6 +77,9 @@ class Node:
     ``fwd_freed_bytes``: storages its dispatched ops return in forward that are freed before it
     ends (``torch.diff(x, prepend=...)``'s ``cat``), unlike kernel-internal buffers: a selective
     policy keeping the node caches them too, so such a node is never kept (``keepable``).
+    ``bwd_unpack_bytes``: bytes its backward holds while unpacking its saved tensors, before it
+    allocates anything, beyond what stays for the whole backward (``bwd_workspace_bytes``): set
+    only by ``ckptplan.remat`` for a chain's inputs, recomputed and dropped there.
     """
 
     index: int
@@ -103,6 +106,7 @@ class Node:
     fwd_cost: float = 0.0
     bwd_cost: float = 0.0
     fwd_freed_bytes: int = 0
+    bwd_unpack_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,21 @@ holds ``X``'s inputs in its place; in the saver's backward ``X`` is recomputed (
 storages, and its forward workspace) and freed when that backward returns. Each saver recomputes
 ``X`` once: savers' backwards do not overlap, and the emitter caches the recomputed tensor only
 while a backward holds it. Savers inside a region are left to the region.
+
+*Chains.* When a rematerialised ``X`` reads a rematerialised ``Y``'s output as an argument of its
+own (not through a view node), ``X``'s recipe holds ``Y``'s recipe instead of ``Y``'s output, so
+both are freed: ``X``'s savers hold the *roots* of ``X`` (the activations its recompute reads,
+through rematerialised inputs down to ones that are not) and recompute the whole *closure*
+(``Y``, then ``X``). This is how AOTAutograd's partitioner recomputes a norm and its activation
+from the convolution before them. The roots cost nothing to hold for the same reason as above:
+``Y``'s backward, which runs after ``X``'s, keeps them. ``X`` read through a view node of ``Y``
+keeps ``Y``'s output alive (``conflicts``: the joint model in ``solvers.ilp_model`` rules such
+pairs out, and every chain too, which it does not model).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from functools import cached_property
@@ -101,17 +112,65 @@ def candidates(graph: ComputeGraph) -> tuple[int, ...]:
 
 
 def conflicts(graph: ComputeGraph, nodes: Sequence[int]) -> list[tuple[int, int]]:
-    """Pairs (x, y) of ``nodes`` where x reads y's output: rematerialising both frees only one of
-    the two (x's backward, which would hold y's output for x's recompute, no longer holds it)."""
+    """Pairs (x, y) of ``nodes`` where x reads y's output, directly (a chain: see the module
+    docstring) or through a view. The joint model rules them all out: it holds x's inputs for x's
+    recompute, which is what the simulator does only for the second kind."""
     output_of = {graph.nodes[y].outputs[0]: y for y in nodes}
     return [(x, output_of[s]) for x in nodes for s in _read_storages(graph, graph.nodes[x]) if s in output_of]
 
 
+def _view_reads(graph: ComputeGraph, node: Node) -> tuple[int, ...]:
+    """Activation storages ``node`` reads through a node that did not make them (a view): a
+    recipe holds those whether or not their maker is rematerialised."""
+    found: dict[int, None] = {}
+    for j in node.inputs:
+        for s in graph.nodes[j].outputs:
+            if not graph.storages[s].is_static and graph.storages[s].producer != j:
+                found[s] = None
+    return tuple(found)
+
+
+def closure(graph: ComputeGraph, index: int, chosen: frozenset[int] | set[int]) -> tuple[int, ...]:
+    """The nodes a recompute of ``index`` runs when ``chosen`` are rematerialised: its chosen
+    inputs' closures (in argument order, each input once), then ``index``."""
+    order: list[int] = []
+    for j in dict.fromkeys(graph.nodes[index].inputs):
+        if j in chosen:
+            order += closure(graph, j, chosen)
+    return (*order, index)
+
+
+def roots(graph: ComputeGraph, index: int, chosen: frozenset[int] | set[int]) -> tuple[int, ...]:
+    """Activation storages a recompute of ``index`` reads (``closure``'s leaves): what a recipe
+    holds."""
+    found: dict[int, None] = {}
+    for j in dict.fromkeys(graph.nodes[index].inputs):
+        if j in chosen:
+            found.update(dict.fromkeys(roots(graph, j, chosen)))
+        else:
+            found.update(dict.fromkeys(s for s in graph.nodes[j].outputs if not graph.storages[s].is_static))
+    return tuple(found)
+
+
+def recompute_peak_bytes(graph: ComputeGraph, index: int, chosen: frozenset[int] | set[int]) -> int:
+    """Most bytes a recompute of ``index`` holds at once beyond its roots: each chosen input
+    recomputed in turn beside those made before it, then ``index``'s fresh storages and forward
+    workspace beside all of them (a recipe drops its inputs when it returns)."""
+    made = peak = 0
+    for j in dict.fromkeys(graph.nodes[index].inputs):
+        if j in chosen:
+            peak = max(peak, made + recompute_peak_bytes(graph, j, chosen))
+            made += graph.new_bytes(j)
+    node = graph.nodes[index]
+    return max(peak, made + graph.new_bytes(index) + node.fwd_workspace_bytes)
+
+
 def by_price(graph: ComputeGraph) -> tuple[int, ...]:
     """Candidates cheapest first, by recompute seconds (once per saver, with the hooks' fixed
-    ``graph.remat_cost``) per byte freed, leaving
-    out any that reads another chosen one's output or whose output a chosen one reads: its
-    holder would keep that output alive, and only one of the two frees anything."""
+    ``graph.remat_cost``) per byte freed, leaving out any that reads another chosen one's output
+    or whose output a chosen one reads: its holder would keep that output alive (a view), or
+    recomputing both costs more than either alone (a chain), which this price does not see;
+    ``chained`` prices chains. What the joint model may rematerialise together."""
 
     def price(x: int) -> float:
         node = graph.nodes[x]
@@ -129,6 +188,56 @@ def by_price(graph: ComputeGraph) -> tuple[int, ...]:
         outputs.add(node.outputs[0])
         reads.update(x_reads)
     return tuple(chosen)
+
+
+def chained(graph: ComputeGraph) -> tuple[int, ...]:
+    """Candidates in the order a greedy choice takes them, chains allowed (module docstring):
+    each step takes the one whose marginal recompute seconds per byte it frees is least.
+
+    Marginal seconds of ``x`` beside the set ``S`` taken so far: ``times(x)`` recomputes of
+    ``closure(x, S)``, each costing its nodes' forward seconds and the hooks' fixed
+    ``graph.remat_cost`` apiece, where ``times(x)`` counts ``x``'s savers plus, for each ``z`` in
+    ``S`` that reads ``x`` directly, ``times(z)`` (each recompute of ``z`` now recomputes ``x``).
+    Both only grow with ``S``, so a stale price is a lower bound and the choice is lazy (a heap,
+    each popped entry repriced). Pairs read through a view are left out as in ``by_price``."""
+    readers: dict[int, list[int]] = {}  # y -> chosen nodes reading y's output directly
+    cands = candidates(graph)
+    chosen: set[int] = set()
+    times: dict[int, int] = {}
+    order: list[int] = []
+    outputs: set[int] = set()
+    view_reads: set[int] = set()
+
+    def closure_seconds(x: int) -> float:
+        return sum(graph.nodes[t].fwd_cost + graph.remat_cost for t in closure(graph, x, chosen))
+
+    def times_of(x: int) -> int:
+        return len(savers(graph, x)) + sum(times[z] for z in readers.get(x, ()))
+
+    def price(x: int) -> float:
+        return times_of(x) * closure_seconds(x) / max(1, graph.storages[graph.nodes[x].outputs[0]].nbytes)
+
+    heap = [(price(x), x) for x in cands]
+    heapq.heapify(heap)
+    while heap:
+        stale, x = heapq.heappop(heap)
+        node = graph.nodes[x]
+        x_views = _view_reads(graph, node)
+        if node.outputs[0] in view_reads or any(r in outputs for r in x_views):
+            continue
+        fresh = price(x)
+        if heap and fresh > stale and (fresh, x) > heap[0]:
+            heapq.heappush(heap, (fresh, x))
+            continue
+        chosen.add(x)
+        order.append(x)
+        outputs.add(node.outputs[0])
+        view_reads.update(x_views)
+        for j in dict.fromkeys(node.inputs):
+            readers.setdefault(j, []).append(x)
+        for y in sorted(chosen, reverse=True):  # readers come after what they read
+            times[y] = times_of(y)
+    return tuple(order)
 
 
 class _Covered:
@@ -178,6 +287,7 @@ class Remat:
                     "recomputes it already."
                 )
         self.nodes = tuple(nodes)
+        self._chosen = frozenset(self.nodes)
         # recomputed_by[c]: the rematerialised nodes saver c's backward recomputes.
         self.recomputed_by: dict[int, tuple[int, ...]] = {}
         for x in self.nodes:
@@ -196,12 +306,20 @@ class Remat:
             dropped = {g.nodes[x].outputs[0] for x in xs}
             held = [s for s in node.saved if s not in dropped]
             for x in xs:
-                held += [s for s in _read_storages(g, g.nodes[x]) if s not in held]
+                held += [s for s in roots(g, x, self._chosen) if s not in held]
+            # Each recomputed output (and, conservatively, its workspace) stays for the whole
+            # backward; a chain's inputs only while the unpack recomputes them, before the
+            # backward allocates anything (at most one chain's at a time).
             back_bytes = sum(g.new_bytes(x) + g.nodes[x].fwd_workspace_bytes for x in xs)
-            nodes[c] = replace(node, saved=tuple(held), bwd_workspace_bytes=node.bwd_workspace_bytes + back_bytes)
+            chain_bytes = max(recompute_peak_bytes(g, x, self._chosen) - g.new_bytes(x) - g.nodes[x].fwd_workspace_bytes
+                              for x in xs)
+            nodes[c] = replace(node, saved=tuple(held), bwd_workspace_bytes=node.bwd_workspace_bytes + back_bytes,
+                               bwd_unpack_bytes=back_bytes + chain_bytes if chain_bytes > 0 else 0)
         return replace(g, nodes=tuple(nodes), traced=g.traced, model=g.model)
 
     @property
     def recomputations(self) -> list[int]:
-        """Each recomputation of a rematerialised node, one per saver, in backward order."""
-        return [x for c in sorted(self.recomputed_by, reverse=True) for x in self.recomputed_by[c]]
+        """Each recomputation of a rematerialised node, one per saver (a chain's inputs with it),
+        in backward order."""
+        return [t for c in sorted(self.recomputed_by, reverse=True) for x in self.recomputed_by[c]
+                for t in closure(self.original, x, self._chosen)]

@@ -451,6 +451,8 @@ class _Simulator:
                     for info in self.chain[i]:
                         if info.uid not in self.recomputed_regions:
                             self._recompute(info)
+                if g.nodes[i].bwd_unpack_bytes:
+                    mem.observe("backward", i, g.nodes[i].bwd_unpack_bytes)
                 _begin_gradients(mem, g, step)
                 mem.observe("backward", i, step.transient_bytes + g.nodes[i].bwd_workspace_bytes)
                 _end_gradients(mem, step)

@@ -347,33 +347,69 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
 
 
 class _Recompute:
-    """How to make a rematerialised node's output again: its function, (detached) arguments, the
-    autocast state it ran under (``None``: autocast off), and what it returned (dtype, shape,
+    """How to make a rematerialised node's output again: its function, arguments (detached; the
+    output of another rematerialised node as that node's recipe, a chain: ``ckptplan.remat``),
+    the autocast state it ran under (``None``: autocast off), and what it returned (dtype, shape,
     strides). Called only from ``_unpack``, so under no_grad."""
 
-    __slots__ = ("args", "autocast_dtype", "device", "dtype", "fn", "kwargs", "shape", "stride")
+    __slots__ = ("args", "autocast_dtype", "chained", "device", "dtype", "fn", "kwargs", "shape", "stride")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: torch.Tensor) -> None:
-        detach = lambda value: value.detach() if isinstance(value, torch.Tensor) else value
         self.fn = fn
-        self.args = tuple(detach(a) for a in args)
-        self.kwargs = {k: detach(v) for k, v in kwargs.items()}
+        found: list[_Recompute] = []
+        self.args, self.kwargs = _map_args(functools.partial(_recipe_or_detached, found), (tuple(args), dict(kwargs)))
+        self.chained = bool(found)
         self.device = out.device.type
         self.autocast_dtype = torch.get_autocast_dtype(self.device) if _autocast_on(self.device) else None
         self.dtype, self.shape, self.stride = out.dtype, out.shape, out.stride()
 
     def __call__(self) -> torch.Tensor:
+        args, kwargs = self.args, self.kwargs
+        if self.chained:  # inputs first, each once; they are dropped when this returns
+            made_inputs: dict[int, torch.Tensor] = {}
+
+            def materialise(value: Any) -> Any:
+                if not isinstance(value, _Recompute):
+                    return value
+                if id(value) not in made_inputs:
+                    made_inputs[id(value)] = value()
+                return made_inputs[id(value)]
+
+            args, kwargs = _map_args(materialise, (args, kwargs))
         if self.autocast_dtype is None and not _autocast_on(self.device):
-            made = self.fn(*self.args, **self.kwargs)  # the common case: no context to enter
+            made = self.fn(*args, **kwargs)  # the common case: no context to enter
         else:
             with torch.autocast(self.device, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                made = self.fn(*self.args, **self.kwargs)
+                made = self.fn(*args, **kwargs)
         if made.dtype != self.dtype or made.shape != self.shape or made.stride() != self.stride:
             raise RuntimeError(
                 f"A rematerialised op recomputed a {made.dtype} tensor of shape {tuple(made.shape)} where forward made "
                 f"{self.dtype} {tuple(self.shape)}; run the module as it was profiled, or solve with remat=False."
             )
         return made
+
+
+def _recipe_or_detached(found: list[_Recompute], value: Any) -> Any:
+    """A recipe's argument: a rematerialised output as its own recipe (added to ``found``),
+    other tensors detached."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    recipe = value.__dict__.get(_RECOMPUTE_ATTR)  # a plain dict lookup: a missing tensor attribute raises inside
+    if recipe is None:
+        return value.detach()
+    found.append(recipe)
+    return recipe
+
+
+def _map_args(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``fn`` applied to the leaves of an op's arguments (tuples, lists and dicts of them); a
+    few times cheaper than ``torch.utils._pytree.tree_map``, which runs once per rematerialised
+    op per forward."""
+    if isinstance(value, (tuple, list)):
+        return type(value)([_map_args(fn, v) for v in value])
+    if isinstance(value, dict):
+        return {k: _map_args(fn, v) for k, v in value.items()}
+    return fn(value)
 
 
 @functools.cache

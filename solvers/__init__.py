@@ -136,20 +136,21 @@ def with_remat(
     time_limit: float | None = None,
     solver: str = "",
 ) -> Plan:
-    """The cheapest of ``run``'s plan for ``graph`` and plans that rematerialise candidates
-    (``remat.by_price``, cheapest per byte first):
+    """The cheapest of ``run``'s plan for ``graph`` and plans that rematerialise candidates:
 
-    * when rematerialising them all fits ``budget_bytes`` without regions, the shortest prefix
-      of that order that fits (found by bisection: each prefix frees more, near enough; the
-      prefix returned is simulated and fits);
-    * otherwise ``run``'s plan for the graph with all of them rematerialised
-      (``remat.Remat.graph``), less those its regions contain or store as inputs (they would
-      free nothing) and those ``shed_remat`` finds the plan fits without, if the simulator
-      confirms it fits once savers inside its regions are left to them;
+    * when rematerialising every candidate (chains included, ``remat.chained``'s order, cheapest
+      per byte first) fits ``budget_bytes`` without regions, the shortest prefix of that order
+      that fits (found by bisection: each prefix frees more, near enough; the prefix returned
+      is simulated and fits);
+    * when rematerialising the chain-free ``remat.by_price`` does not fit alone, ``run``'s plan
+      for the graph with all of those rematerialised (``remat.Remat.graph``), less those its
+      regions contain or store as inputs (they would free nothing) and those ``shed_remat``
+      finds the plan fits without, if the simulator confirms it fits once savers inside its
+      regions are left to them;
     * for ``auto`` and ``ilp`` when the graph is small enough and the time allows
       (``remat_ilp.affordable``), then the joint model's neighbourhood search from the cheapest
-      of these (``remat_ilp.search_with_remat``), which chooses regions and rematerialisation
-      together.
+      of these without chains (``remat_ilp.search_with_remat``), which chooses regions and
+      rematerialisation together; the cheaper of its plan and the best so far.
 
     ``time_limit`` is shared: ``PLAIN_SHARE`` for the plain solve and ``JOINT_SHARE`` for the
     neighbourhood search when it runs, the rest for the solve on the rematerialised graph (half
@@ -158,9 +159,10 @@ def with_remat(
     Raises ``InfeasibleBudgetError`` with the least peak either reached when neither fits."""
     started = time.perf_counter()
     order = _remat.by_price(graph)
-    names = tuple(graph.nodes[x].name for x in order)
-    alone = bool(order) and simulate(graph, (), remat=names).peak_bytes <= budget_bytes
-    both = bool(order) and not alone
+    chains = _remat.chained(graph)
+    names = _names(graph, chains)
+    alone = bool(chains) and simulate(graph, (), remat=names).peak_bytes <= budget_bytes
+    both = bool(order) and simulate(graph, (), remat=_names(graph, order)).peak_bytes > budget_bytes
     joint_seconds = JOINT_SECONDS if time_limit is None else time_limit * JOINT_SHARE
     joint = solver in ("auto", "ilp") and _remat_ilp.affordable(graph, joint_seconds)
     if time_limit is None:
@@ -206,14 +208,20 @@ def with_remat(
                 plans.append(plan)
     if not plans:
         raise min(errors, key=lambda exc: exc.min_peak_bytes)
-    best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
-    if joint and best.prediction.cost_seconds > 0:
+    plans.sort(key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
+    best = plans[0]
+    start = next((p for p in plans if not _remat.conflicts(graph, _remat.indices(graph, p.remat))), None)
+    if joint and start is not None and start.prediction.cost_seconds > 0:
         seconds = joint_seconds if time_limit is None else max(time_limit - (time.perf_counter() - started), 1.0)
-        found = _remat_ilp.search_with_remat(graph, budget_bytes, best, time_limit=seconds)
-        if found is not None:
+        found = _remat_ilp.search_with_remat(graph, budget_bytes, start, time_limit=seconds)
+        if found is not None and found.prediction.cost_seconds < best.prediction.cost_seconds:
             chose = "auto chose ilp: " if solver == "auto" else ""
             best = found.model_copy(update={"solver": found.solver.model_copy(update={"note": chose + found.solver.note})})
     return best.model_copy(update={"solver": best.solver.model_copy(update={"seconds": time.perf_counter() - started})})
+
+
+def _names(graph: ComputeGraph, nodes: Sequence[int]) -> tuple[str, ...]:
+    return tuple(graph.nodes[x].name for x in nodes)
 
 
 PLAIN_SHARE = 0.4  # of with_remat's time limit: the plain solve, when the joint search follows

@@ -144,7 +144,7 @@ def test_solve_with_remat_takes_the_shortest_prefix_that_fits(gpt) -> None:
     solve may answer with rematerialisation alone: then the shortest cheapest-first prefix that
     fits, and never a dearer plan than the solver's own."""
     _, _, graph = gpt
-    order = _names(graph, remat.by_price(graph))
+    order = _names(graph, remat.chained(graph))
     lowest = simulate(graph, (), remat=order).peak_bytes
     budget = (lowest + graph.baseline_peak_bytes) // 2
     plain = ckptplan.solve(graph, budget, solver="dp")
@@ -275,3 +275,92 @@ def test_rematerialised_ops_recompute_under_the_autocast_they_ran_in(gpt) -> Non
         grads.append([p.grad for p in owner.parameters()])
     for ours, theirs in zip(*grads):
         torch.testing.assert_close(ours, theirs)
+
+
+class _ConvNormSilu(torch.nn.Module):
+    """Convolution, group norm and SiLU, three times: the pattern a chain rematerialises."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Conv2d(width, width, 3, padding=1), torch.nn.GroupNorm(2, width),
+                                torch.nn.SiLU())
+            for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.mean()
+
+
+@pytest.fixture(scope="module")
+def conv_norm_silu() -> tuple[torch.nn.Module, tuple, ckptplan.ComputeGraph]:
+    torch.manual_seed(0)
+    model, args = _ConvNormSilu(), (torch.randn(2, 8, 32, 32),)
+    return model, args, ckptplan.profile(model, args)
+
+
+def test_a_chain_frees_the_norm_and_its_activation(conv_norm_silu) -> None:
+    """Rematerialising a group norm and the SiLU that reads it frees both outputs: the next
+    convolution's backward recomputes the norm, then the SiLU, from the convolution output the
+    norm's backward keeps, and the SiLU's backward recomputes the norm. The prediction is the
+    measured peak, below rematerialising either alone, and the gradients are the original's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountNorms(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountNorms.count += func is torch.ops.aten.native_group_norm.default
+            return func(*args, **(kwargs or {}))
+
+    model, args, graph = conv_norm_silu
+    norm = next(i for i in remat.candidates(graph) if "group_norm" in graph.nodes[i].op)
+    silu = next(i for i in remat.candidates(graph) if "silu" in graph.nodes[i].op and i > norm)
+    assert norm in graph.nodes[silu].inputs and remat.conflicts(graph, [norm, silu]) == [(silu, norm)]
+    both = make_plan(graph, [], remat=_names(graph, (norm, silu)))
+    for alone in ((norm,), (silu,)):
+        assert both.prediction.peak_bytes < make_plan(graph, [], remat=_names(graph, alone)).prediction.peak_bytes
+    assert remat.closure(graph, silu, {norm, silu}) == (norm, silu)
+    assert sorted(remat.Remat(graph, (norm, silu), ()).recomputations) == [norm, norm, silu]
+    emitted = ckptplan.emit(graph, both)
+    _assert_matches(graph, both, ckptplan.measure_step(emitted, args).peak_bytes)
+    loss = emitted(*args)
+    with CountNorms():
+        loss.backward()
+    assert CountNorms.count == 2
+    assert_same_gradients(model, emitted, args)
+
+
+def test_chained_order_prices_chains_and_its_prefixes_match_a_real_step(conv_norm_silu) -> None:
+    """``chained`` orders every candidate, chains included (``by_price`` stays chain-free), and
+    each prefix it gives frees more and trains as the simulator predicts."""
+    model, args, graph = conv_norm_silu
+    order = remat.chained(graph)
+    assert sorted(order) == sorted(remat.candidates(graph))
+    assert not remat.conflicts(graph, remat.by_price(graph))
+    assert remat.conflicts(graph, order)
+    last = None
+    for k in (len(order) // 2, len(order) - 1, len(order)):
+        plan = make_plan(graph, [], remat=_names(graph, order[:k]))
+        assert last is None or plan.prediction.peak_bytes < last
+        last = plan.prediction.peak_bytes
+        emitted = ckptplan.emit(graph, plan)
+        _assert_matches(graph, plan, ckptplan.measure_step(emitted, args).peak_bytes)
+        assert_same_gradients(model, emitted, args)
+
+
+def test_solve_reaches_a_chain_only_plan_where_chain_free_sets_cannot(conv_norm_silu) -> None:
+    """At a budget only chains reach without regions, ``solve(remat=True)`` answers with
+    rematerialisation alone, cheaper than its plain plan."""
+    _, _, graph = conv_norm_silu
+    chain_free = simulate(graph, (), remat=_names(graph, remat.by_price(graph))).peak_bytes
+    cheap = [x for x in remat.chained(graph) if "conv" not in graph.nodes[x].op]
+    budget = simulate(graph, (), remat=_names(graph, tuple(cheap))).peak_bytes
+    assert budget < chain_free
+    plan = ckptplan.solve(graph, budget, solver="dp", remat=True)
+    plain = ckptplan.solve(graph, budget, solver="dp")
+    assert not plan.regions and remat.conflicts(graph, remat.indices(graph, plan.remat))
+    assert plan.prediction.peak_bytes <= budget
+    assert plan.prediction.cost_seconds < plain.prediction.cost_seconds
