@@ -32,8 +32,9 @@ through rematerialised inputs down to ones that are not) and recompute the whole
 (``Y``, then ``X``). This is how AOTAutograd's partitioner recomputes a norm and its activation
 from the convolution before them. The roots cost nothing to hold for the same reason as above:
 ``Y``'s backward, which runs after ``X``'s, keeps them. ``X`` read through a view node of ``Y``
-keeps ``Y``'s output alive (``conflicts``: the joint model in ``solvers.ilp_model`` rules such
-pairs out, and every chain too, which it does not model).
+keeps ``Y``'s output alive (``conflicts``: such pairs are never chosen together). Chains are
+at most two deep (``deep_chains``: no ``Z`` under ``Y`` as well), which is what the joint model in
+``solvers.ilp_model`` prices.
 """
 
 from __future__ import annotations
@@ -112,11 +113,27 @@ def candidates(graph: ComputeGraph) -> tuple[int, ...]:
 
 
 def conflicts(graph: ComputeGraph, nodes: Sequence[int]) -> list[tuple[int, int]]:
-    """Pairs (x, y) of ``nodes`` where x reads y's output, directly (a chain: see the module
-    docstring) or through a view. The joint model rules them all out: it holds x's inputs for x's
-    recompute, which is what the simulator does only for the second kind."""
+    """Pairs (x, y) of ``nodes`` where x reads y's output through a view: rematerialising both
+    frees only one of the two (x's recipe holds y's output through the view)."""
     output_of = {graph.nodes[y].outputs[0]: y for y in nodes}
-    return [(x, output_of[s]) for x in nodes for s in _read_storages(graph, graph.nodes[x]) if s in output_of]
+    return [(x, output_of[s]) for x in nodes for s in _view_reads(graph, graph.nodes[x]) if s in output_of]
+
+
+def chains(graph: ComputeGraph, nodes: Sequence[int]) -> list[tuple[int, int]]:
+    """Pairs (x, y) of ``nodes`` where x reads y's output directly: rematerialised together, a
+    chain (module docstring)."""
+    chosen = set(nodes)
+    return [(x, y) for x in nodes for y in dict.fromkeys(graph.nodes[x].inputs) if y in chosen]
+
+
+def deep_chains(graph: ComputeGraph, nodes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Triples (x, y, z) of ``nodes`` where x reads y's output directly and y reads z's: chains
+    deeper than two, which no plan here chooses."""
+    pairs = chains(graph, nodes)
+    below: dict[int, list[int]] = {}
+    for y, z in pairs:
+        below.setdefault(y, []).append(z)
+    return [(x, y, z) for x, y in pairs for z in below.get(y, ())]
 
 
 def _view_reads(graph: ComputeGraph, node: Node) -> tuple[int, ...]:
@@ -170,7 +187,7 @@ def by_price(graph: ComputeGraph) -> tuple[int, ...]:
     ``graph.remat_cost``) per byte freed, leaving out any that reads another chosen one's output
     or whose output a chosen one reads: its holder would keep that output alive (a view), or
     recomputing both costs more than either alone (a chain), which this price does not see;
-    ``chained`` prices chains. What the joint model may rematerialise together."""
+    ``chained`` prices chains."""
 
     def price(x: int) -> float:
         node = graph.nodes[x]
@@ -199,7 +216,8 @@ def chained(graph: ComputeGraph) -> tuple[int, ...]:
     ``graph.remat_cost`` apiece, where ``times(x)`` counts ``x``'s savers plus, for each ``z`` in
     ``S`` that reads ``x`` directly, ``times(z)`` (each recompute of ``z`` now recomputes ``x``).
     Both only grow with ``S``, so a stale price is a lower bound and the choice is lazy (a heap,
-    each popped entry repriced). Pairs read through a view are left out as in ``by_price``."""
+    each popped entry repriced). Pairs read through a view are left out as in ``by_price``, and
+    so is any node that would make a chain deeper than two (``deep_chains``)."""
     readers: dict[int, list[int]] = {}  # y -> chosen nodes reading y's output directly
     cands = candidates(graph)
     chosen: set[int] = set()
@@ -225,6 +243,11 @@ def chained(graph: ComputeGraph) -> tuple[int, ...]:
         x_views = _view_reads(graph, node)
         if node.outputs[0] in view_reads or any(r in outputs for r in x_views):
             continue
+        below = [y for y in dict.fromkeys(node.inputs) if y in chosen]
+        above = readers.get(x, ())
+        if (any(z in chosen for y in below for z in graph.nodes[y].inputs) or (below and above)
+                or any(readers.get(w) for w in above)):
+            continue  # a chain three deep
         fresh = price(x)
         if heap and fresh > stale and (fresh, x) > heap[0]:
             heapq.heappush(heap, (fresh, x))

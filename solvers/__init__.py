@@ -149,8 +149,8 @@ def with_remat(
       regions are left to them;
     * for ``auto`` and ``ilp`` when the graph is small enough and the time allows
       (``remat_ilp.affordable``), then the joint model's neighbourhood search from the cheapest
-      of these without chains (``remat_ilp.search_with_remat``), which chooses regions and
-      rematerialisation together; the cheaper of its plan and the best so far.
+      of these (``remat_ilp.search_with_remat``), which chooses regions and rematerialisation
+      together.
 
     ``time_limit`` is shared: ``PLAIN_SHARE`` for the plain solve and ``JOINT_SHARE`` for the
     neighbourhood search when it runs, the rest for the solve on the rematerialised graph (half
@@ -208,13 +208,11 @@ def with_remat(
                 plans.append(plan)
     if not plans:
         raise min(errors, key=lambda exc: exc.min_peak_bytes)
-    plans.sort(key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
-    best = plans[0]
-    start = next((p for p in plans if not _remat.conflicts(graph, _remat.indices(graph, p.remat))), None)
-    if joint and start is not None and start.prediction.cost_seconds > 0:
+    best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
+    if joint and best.prediction.cost_seconds > 0:
         seconds = joint_seconds if time_limit is None else max(time_limit - (time.perf_counter() - started), 1.0)
-        found = _remat_ilp.search_with_remat(graph, budget_bytes, start, time_limit=seconds)
-        if found is not None and found.prediction.cost_seconds < best.prediction.cost_seconds:
+        found = _remat_ilp.search_with_remat(graph, budget_bytes, best, time_limit=seconds)
+        if found is not None:
             chose = "auto chose ilp: " if solver == "auto" else ""
             best = found.model_copy(update={"solver": found.solver.model_copy(update={"note": chose + found.solver.note})})
     return best.model_copy(update={"solver": best.solver.model_copy(update={"seconds": time.perf_counter() - started})})

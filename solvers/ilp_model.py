@@ -22,7 +22,7 @@ Decision families (``t`` a node index, ``n`` nodes):
 * ``remat_{x}`` — candidate x (``build_model``'s ``remat``; ``ckptplan.remat``) is
   rematerialised: outside every region, its output is dropped after forward by the savers
   outside regions and recomputed in each one's backward. No two where one reads the other's
-  output (``remat.conflicts``).
+  output through a view (``remat.conflicts``), no chain three deep (``remat.deep_chains``).
 
 Derived families (each defined by constraints next to where it is created):
 
@@ -58,6 +58,12 @@ Derived families (each defined by constraints next to where it is created):
 * ``again_{x}_{j}`` — saver j of rematerialised x's output lies outside regions, so j's backward
   recomputes x: x's fresh bytes and forward workspace join j's backward event, and the objective
   pays x's forward seconds and ``graph.remat_cost`` (a lower bound: it only adds).
+* ``chain_{x}_{y}_{j}`` — ``again_{x}_{j}`` and x reads rematerialised y directly (a chain,
+  ``remat.chains``): j's recompute of x recomputes y first. The objective pays y's forward
+  seconds and ``graph.remat_cost``, exactly as the simulator does; y's fresh bytes and workspace
+  join j's backward event, which the simulator counts only while the unpack runs, before the
+  backward allocates: a bound from above there, so the model never claims a plan below its
+  simulated peak, and is exact for plans without chains.
 * ``recomputed_{t}`` — node t is recomputed (in a region that is recomputed, before its early
   stop, not kept): what the objective pays for, with the machinery's cost (``_machinery_cost``:
   per ``start``, ``rec`` and ``keep``). ``IlpVars.bounding_clauses``: redundant
@@ -81,7 +87,7 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from ckptplan.graph import ComputeGraph
-from ckptplan.remat import conflicts, savers
+from ckptplan.remat import chains, conflicts, deep_chains, savers
 from ckptplan.sharding import unit_edges
 from ckptplan.simulation import FREED_SCALAR_BYTES, gradient_bytes, later_inplace_writer, made_at_early_stop
 
@@ -238,6 +244,18 @@ class _Builder:
                 self.again[j].append((x, again))
         for x, y in conflicts(g, self.remat_candidates):
             m.AddBoolOr([self.remat[x].Not(), self.remat[y].Not()])
+        for triple in deep_chains(g, self.remat_candidates):
+            m.AddBoolOr([self.remat[t].Not() for t in triple])
+        # chain[j]: (y, chain_{x}_{y}_{j}) for each rematerialised y that saver j's recompute of x
+        # recomputes first.
+        self.chain: dict[int, list[tuple[int, cp_model.IntVar]]] = defaultdict(list)
+        pairs = chains(g, self.remat_candidates)
+        for j, found in list(self.again.items()):
+            for x, again in found:
+                for y in (y for x2, y in pairs if x2 == x):
+                    var = m.NewBoolVar(f"chain_{x}_{y}_{j}")
+                    self.implies([again, self.remat[y]], var)
+                    self.chain[j].append((y, var))
 
     def same(self, a: int, b: int) -> cp_model.IntVar:
         """``same_{a}_{b}``: nodes a ≤ b lie in one region (false beyond the window)."""
@@ -491,7 +509,8 @@ class _Builder:
     def _again_terms(self, i: int) -> list:
         """What recomputing rematerialised nodes in saver i's backward allocates (``again``)."""
         g = self.g
-        return [(g.new_bytes(x) + g.nodes[x].fwd_workspace_bytes) * var for x, var in self.again.get(i, ())]
+        return [(g.new_bytes(x) + g.nodes[x].fwd_workspace_bytes) * var
+                for x, var in (*self.again.get(i, ()), *self.chain.get(i, ()))]
 
     def _copy_terms(self, i: int) -> list:
         """Terms for ``copy_{s}_{i}``, made here (only backward event i reads them): s was
@@ -658,7 +677,7 @@ class _Builder:
             terms.append(cost * var)
         self.recomputed = recomputed
         self.bounding_clauses = self.hold_or_recompute(recomputed)
-        for pairs in self.again.values():
+        for pairs in (*self.again.values(), *self.chain.values()):
             for x, var in pairs:
                 cost = round((g.nodes[x].fwd_cost + g.remat_cost) * COST_SCALE)
                 if cost > 0:

@@ -6,7 +6,8 @@ large-neighbourhood search.
 a graph where every candidate is rematerialised, then the candidates the plan fits without shed.
 Here each candidate is a decision beside the regions and keep-sets of the nodes around it, so a
 step can trade a region for rematerialised ops or the other way round (one level of regions,
-keep-sets, any conflict-free set of candidates outside regions). CP-SAT on the whole joint model
+keep-sets, candidates outside regions: none read through a view of another, chains at most two
+deep, ``remat.deep_chains``). CP-SAT on the whole joint model
 at once found nothing better than its start in 15 s on the BERT of ``benchmarks/compare.py``,
 where these steps lowered the cost by 5-10%; so it is searched a neighbourhood at a time, as
 ``ilp.improve_locally`` does for regions alone. The model is built whole (no lazy rows), so this

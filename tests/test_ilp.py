@@ -119,13 +119,16 @@ def test_model_cost_equals_the_simulated_cost_on_profiled_examples(name: str) ->
             assert cost == pytest.approx(report.cost_seconds, abs=rounding), plan
 
 
-def _random_remat(graph: ComputeGraph, regions: tuple, rng: random.Random) -> tuple[str, ...]:
-    """A random conflict-free set of rematerialisation candidates outside ``regions``."""
+def _random_remat(graph: ComputeGraph, regions: tuple, rng: random.Random, *, chains: bool = False) -> tuple[str, ...]:
+    """A random set of rematerialisation candidates outside ``regions`` that a plan may choose
+    (no view conflicts, no chain three deep), with chains only when ``chains``."""
     candidates = list(remat.outside(graph, remat.candidates(graph), regions))
     rng.shuffle(candidates)
     chosen: list[int] = []
     for x in candidates:
-        if rng.random() < 0.6 and not remat.conflicts(graph, [*chosen, x]):
+        trial = [*chosen, x]
+        if (rng.random() < 0.6 and not remat.conflicts(graph, trial) and not remat.deep_chains(graph, trial)
+                and (chains or not remat.chains(graph, trial))):
             chosen.append(x)
     return tuple(graph.nodes[x].name for x in sorted(chosen))
 
@@ -151,6 +154,36 @@ def test_model_peak_and_cost_equal_the_simulated_ones_with_rematerialisation() -
         cost = model_cost(graph, regions, budget_bytes=report.peak_bytes, bounding=True, remat=names)
         assert cost == pytest.approx(report.cost_seconds, abs=rounding), (regions, names)
     assert lower >= 4  # the rematerialisations matter to most of these plans' peaks
+
+
+def test_model_prices_chains_exactly_and_bounds_their_peak_from_above() -> None:
+    """With chains (a rematerialised op reading another's output, ``remat.chains``) beside random
+    one-level plans on convolution, group norm and SiLU layers: the model's cost is the
+    simulator's (each saver recomputes the chain's input too), and its peak is at least the
+    simulated one, by no more than the chains' inputs (the model holds them through the saver's
+    backward; the simulator only while the unpack runs)."""
+    from tests.test_remat import _ConvNormSilu
+
+    torch.manual_seed(0)
+    model, args = _ConvNormSilu(), (torch.randn(2, 8, 32, 32),)
+    graph = replace(ckptplan.profile(model, args), remat_cost=2.0**-16)
+    rng = random.Random(7)
+    chained = 0
+    for trial in range(8):
+        regions = random_plan(graph, rng)
+        regions = tuple(sorted(rng.sample(regions, min(trial % 2, len(regions))), key=lambda r: r.start))
+        names = _random_remat(graph, regions, rng, chains=True)
+        pairs = remat.chains(graph, remat.indices(graph, names))
+        chained += bool(pairs)
+        report = simulate(graph, regions, remat=names)
+        peak = model_peak(graph, regions, remat=names)
+        slack = sum((graph.new_bytes(y) + graph.nodes[y].fwd_workspace_bytes) * len(remat.savers(graph, x))
+                    for x, y in pairs)
+        assert report.peak_bytes <= peak <= report.peak_bytes + slack, (regions, names)
+        rounding = (2 * len(graph.nodes) + len(regions) + len(report.recomputed)) / COST_SCALE
+        cost = model_cost(graph, regions, budget_bytes=peak, remat=names)
+        assert cost == pytest.approx(report.cost_seconds, abs=rounding), (regions, names)
+    assert chained >= 3
 
 
 @pytest.mark.slow
