@@ -183,41 +183,18 @@ def recompute_peak_bytes(graph: ComputeGraph, index: int, chosen: frozenset[int]
 
 
 def by_price(graph: ComputeGraph) -> tuple[int, ...]:
-    """Candidates cheapest first, by recompute seconds (once per saver, with the hooks' fixed
-    ``graph.remat_cost``) per byte freed, leaving out any that reads another chosen one's output
-    or whose output a chosen one reads: its holder would keep that output alive (a view), or
-    recomputing both costs more than either alone (a chain), which this price does not see;
-    ``chained`` prices chains."""
-
-    def price(x: int) -> float:
-        node = graph.nodes[x]
-        return (node.fwd_cost + graph.remat_cost) * len(savers(graph, x)) / max(1, graph.storages[node.outputs[0]].nbytes)
-
-    chosen: list[int] = []
-    outputs: set[int] = set()
-    reads: set[int] = set()
-    for x in sorted(candidates(graph), key=lambda x: (price(x), x)):
-        node = graph.nodes[x]
-        x_reads = _read_storages(graph, node)
-        if node.outputs[0] in reads or any(r in outputs for r in x_reads):
-            continue
-        chosen.append(x)
-        outputs.add(node.outputs[0])
-        reads.update(x_reads)
-    return tuple(chosen)
-
-
-def chained(graph: ComputeGraph) -> tuple[int, ...]:
-    """Candidates in the order a greedy choice takes them, chains allowed (module docstring):
-    each step takes the one whose marginal recompute seconds per byte it frees is least.
+    """Candidates cheapest first, in the order a greedy choice takes them: each step takes the
+    one whose marginal recompute seconds per byte it frees is least, chains allowed (module
+    docstring).
 
     Marginal seconds of ``x`` beside the set ``S`` taken so far: ``times(x)`` recomputes of
     ``closure(x, S)``, each costing its nodes' forward seconds and the hooks' fixed
     ``graph.remat_cost`` apiece, where ``times(x)`` counts ``x``'s savers plus, for each ``z`` in
     ``S`` that reads ``x`` directly, ``times(z)`` (each recompute of ``z`` now recomputes ``x``).
     Both only grow with ``S``, so a stale price is a lower bound and the choice is lazy (a heap,
-    each popped entry repriced). Pairs read through a view are left out as in ``by_price``, and
-    so is any node that would make a chain deeper than two (``deep_chains``)."""
+    each popped entry repriced). A node is left out when it reads another taken one's output
+    through a view, or a taken one reads its output so (``conflicts``: only one of the two would
+    free anything), or it would make a chain deeper than two (``deep_chains``)."""
     readers: dict[int, list[int]] = {}  # y -> chosen nodes reading y's output directly
     cands = candidates(graph)
     chosen: set[int] = set()

@@ -136,17 +136,16 @@ def with_remat(
     time_limit: float | None = None,
     solver: str = "",
 ) -> Plan:
-    """The cheapest of ``run``'s plan for ``graph`` and plans that rematerialise candidates:
+    """The cheapest of ``run``'s plan for ``graph`` and plans that rematerialise candidates
+    (``remat.by_price``, cheapest per byte first, chains included):
 
-    * when rematerialising every candidate (chains included, ``remat.chained``'s order, cheapest
-      per byte first) fits ``budget_bytes`` without regions, the shortest prefix of that order
-      that fits (found by bisection: each prefix frees more, near enough; the prefix returned
-      is simulated and fits);
-    * when rematerialising the chain-free ``remat.by_price`` does not fit alone, ``run``'s plan
-      for the graph with all of those rematerialised (``remat.Remat.graph``), less those its
-      regions contain or store as inputs (they would free nothing) and those ``shed_remat``
-      finds the plan fits without, if the simulator confirms it fits once savers inside its
-      regions are left to them;
+    * when rematerialising them all fits ``budget_bytes`` without regions, the shortest prefix
+      of that order that fits (found by bisection: each prefix frees more, near enough; the
+      prefix returned is simulated and fits);
+    * otherwise ``run``'s plan for the graph with all of them rematerialised
+      (``remat.Remat.graph``), less those its regions contain or store as inputs (they would
+      free nothing) and those ``shed_remat`` finds the plan fits without, if the simulator
+      confirms it fits once savers inside its regions are left to them;
     * for ``auto`` and ``ilp`` when the graph is small enough and the time allows
       (``remat_ilp.affordable``), then the joint model's neighbourhood search from the cheapest
       of these (``remat_ilp.search_with_remat``), which chooses regions and rematerialisation
@@ -159,10 +158,9 @@ def with_remat(
     Raises ``InfeasibleBudgetError`` with the least peak either reached when neither fits."""
     started = time.perf_counter()
     order = _remat.by_price(graph)
-    chains = _remat.chained(graph)
-    names = _names(graph, chains)
-    alone = bool(chains) and simulate(graph, (), remat=names).peak_bytes <= budget_bytes
-    both = bool(order) and simulate(graph, (), remat=_names(graph, order)).peak_bytes > budget_bytes
+    names = tuple(graph.nodes[x].name for x in order)
+    alone = bool(order) and simulate(graph, (), remat=names).peak_bytes <= budget_bytes
+    both = bool(order) and not alone
     joint_seconds = JOINT_SECONDS if time_limit is None else time_limit * JOINT_SHARE
     joint = solver in ("auto", "ilp") and _remat_ilp.affordable(graph, joint_seconds)
     if time_limit is None:
@@ -216,10 +214,6 @@ def with_remat(
             chose = "auto chose ilp: " if solver == "auto" else ""
             best = found.model_copy(update={"solver": found.solver.model_copy(update={"note": chose + found.solver.note})})
     return best.model_copy(update={"solver": best.solver.model_copy(update={"seconds": time.perf_counter() - started})})
-
-
-def _names(graph: ComputeGraph, nodes: Sequence[int]) -> tuple[str, ...]:
-    return tuple(graph.nodes[x].name for x in nodes)
 
 
 PLAIN_SHARE = 0.4  # of with_remat's time limit: the plain solve, when the joint search follows

@@ -144,7 +144,7 @@ def test_solve_with_remat_takes_the_shortest_prefix_that_fits(gpt) -> None:
     solve may answer with rematerialisation alone: then the shortest cheapest-first prefix that
     fits, and never a dearer plan than the solver's own."""
     _, _, graph = gpt
-    order = _names(graph, remat.chained(graph))
+    order = _names(graph, remat.by_price(graph))
     lowest = simulate(graph, (), remat=order).peak_bytes
     budget = (lowest + graph.baseline_peak_bytes) // 2
     plain = ckptplan.solve(graph, budget, solver="dp")
@@ -334,13 +334,12 @@ def test_a_chain_frees_the_norm_and_its_activation(conv_norm_silu) -> None:
     assert_same_gradients(model, emitted, args)
 
 
-def test_chained_order_prices_chains_and_its_prefixes_match_a_real_step(conv_norm_silu) -> None:
-    """``chained`` orders candidates with chains at most two deep (``by_price`` stays chain-free),
-    and each prefix it gives frees more and trains as the simulator predicts."""
+def test_price_order_takes_chains_and_its_prefixes_match_a_real_step(conv_norm_silu) -> None:
+    """``by_price`` orders candidates with chains at most two deep, and each prefix it gives
+    frees more and trains as the simulator predicts."""
     model, args, graph = conv_norm_silu
-    order = remat.chained(graph)
+    order = remat.by_price(graph)
     assert set(order) < set(remat.candidates(graph))  # a convolution under a chain would make it three deep
-    assert not remat.chains(graph, remat.by_price(graph))
     assert remat.chains(graph, order) and not remat.deep_chains(graph, order)
     last = None
     for k in (len(order) // 2, len(order) - 1, len(order)):
@@ -356,9 +355,10 @@ def test_solve_reaches_a_chain_only_plan_where_chain_free_sets_cannot(conv_norm_
     """At a budget only chains reach without regions, ``solve(remat=True)`` answers with
     rematerialisation alone, cheaper than its plain plan."""
     _, _, graph = conv_norm_silu
-    chain_free = simulate(graph, (), remat=_names(graph, remat.by_price(graph))).peak_bytes
-    budget = simulate(graph, (), remat=_names(graph, remat.chained(graph))).peak_bytes
-    assert budget < chain_free
+    order = remat.by_price(graph)
+    budget = simulate(graph, (), remat=_names(graph, order)).peak_bytes
+    heads = {x for x, _ in remat.chains(graph, order)}  # without them no chain is left
+    assert budget < simulate(graph, (), remat=_names(graph, tuple(x for x in order if x not in heads))).peak_bytes
     plan = ckptplan.solve(graph, budget, solver="dp", remat=True)
     plain = ckptplan.solve(graph, budget, solver="dp")
     assert not plan.regions and remat.chains(graph, remat.indices(graph, plan.remat))
