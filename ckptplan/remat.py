@@ -314,7 +314,7 @@ class Remat:
             chain_bytes = max(recompute_peak_bytes(g, x, self._chosen) - g.new_bytes(x) - g.nodes[x].fwd_workspace_bytes
                               for x in xs)
             nodes[c] = replace(node, saved=tuple(held), bwd_workspace_bytes=node.bwd_workspace_bytes + back_bytes,
-                               bwd_unpack_bytes=back_bytes + chain_bytes if chain_bytes > 0 else 0)
+                               bwd_unpack_bytes=(back_bytes + chain_bytes) if chain_bytes > 0 else 0)
         return replace(g, nodes=tuple(nodes), traced=g.traced, model=g.model)
 
     @property

@@ -507,7 +507,8 @@ class _Builder:
                 + sum(self._again_terms(i)), []))
 
     def _again_terms(self, i: int) -> list:
-        """What recomputing rematerialised nodes in saver i's backward allocates (``again``)."""
+        """What recomputing rematerialised nodes in saver i's backward allocates (``again``, and
+        ``chain`` for the inputs of chains, bounded from above)."""
         g = self.g
         return [(g.new_bytes(x) + g.nodes[x].fwd_workspace_bytes) * var
                 for x, var in (*self.again.get(i, ()), *self.chain.get(i, ()))]
