@@ -52,17 +52,6 @@ from ckptplan.plan import Region
 _STATEFUL_OPS = ("batch_norm", "instance_norm")
 
 
-def _read_storages(graph: ComputeGraph, node: Node) -> tuple[int, ...]:
-    """Activation storages ``node`` reads: its input nodes' outputs (graph inputs and parameters
-    are not nodes; they stay resident anyway)."""
-    found: dict[int, None] = {}
-    for j in node.inputs:
-        for s in graph.nodes[j].outputs:
-            if not graph.storages[s].is_static:
-                found[s] = None
-    return tuple(found)
-
-
 def savers(graph: ComputeGraph, index: int) -> tuple[int, ...]:
     """Nodes other than ``index`` whose backward saves ``index``'s output storage."""
     return tuple(c for s in graph.nodes[index].outputs[:1] for c in graph.saved_by.get(s, ()) if c != index)
@@ -97,7 +86,7 @@ def why_not(graph: ComputeGraph, index: int) -> str | None:
         return "the model returns its output, which the caller may hold through backward"
     if any(graph.storages[t].is_static and w > index for t, writers in graph.inplace_writers.items() for w in writers):
         return "a later op writes in place into model state or an input, which it may read"
-    reads = _read_storages(graph, node)
+    reads = roots(graph, index, frozenset())
     if any(r not in node.saved for r in reads):
         return "its backward does not keep every activation it reads"
     if any(w > index for r in reads for w in graph.inplace_writers.get(r, ())):
@@ -159,7 +148,8 @@ def closure(graph: ComputeGraph, index: int, chosen: frozenset[int] | set[int]) 
 
 def roots(graph: ComputeGraph, index: int, chosen: frozenset[int] | set[int]) -> tuple[int, ...]:
     """Activation storages a recompute of ``index`` reads (``closure``'s leaves): what a recipe
-    holds."""
+    holds. With nothing chosen, the activations the node reads: its input nodes' outputs (graph
+    inputs and parameters are not nodes; they stay resident anyway)."""
     found: dict[int, None] = {}
     for j in dict.fromkeys(graph.nodes[index].inputs):
         if j in chosen:
