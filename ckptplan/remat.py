@@ -190,8 +190,6 @@ def by_price(graph: ComputeGraph) -> tuple[int, ...]:
     chosen: set[int] = set()
     times: dict[int, int] = {}
     order: list[int] = []
-    outputs: set[int] = set()
-    view_reads: set[int] = set()
 
     def closure_seconds(x: int) -> float:
         return sum(graph.nodes[t].fwd_cost + graph.remat_cost for t in closure(graph, x, chosen))
@@ -206,24 +204,16 @@ def by_price(graph: ComputeGraph) -> tuple[int, ...]:
     heapq.heapify(heap)
     while heap:
         stale, x = heapq.heappop(heap)
-        node = graph.nodes[x]
-        x_views = _view_reads(graph, node)
-        if node.outputs[0] in view_reads or any(r in outputs for r in x_views):
-            continue
-        below = [y for y in dict.fromkeys(node.inputs) if y in chosen]
-        above = readers.get(x, ())
-        if (any(z in chosen for y in below for z in graph.nodes[y].inputs) or (below and above)
-                or any(readers.get(w) for w in above)):
-            continue  # a chain three deep
+        trial = (*order, x)
+        if conflicts(graph, trial) or deep_chains(graph, trial):
+            continue  # for good: the set only grows
         fresh = price(x)
         if heap and fresh > stale and (fresh, x) > heap[0]:
             heapq.heappush(heap, (fresh, x))
             continue
         chosen.add(x)
         order.append(x)
-        outputs.add(node.outputs[0])
-        view_reads.update(x_views)
-        for j in dict.fromkeys(node.inputs):
+        for j in dict.fromkeys(graph.nodes[x].inputs):
             readers.setdefault(j, []).append(x)
         for y in sorted(chosen, reverse=True):  # readers come after what they read
             times[y] = times_of(y)

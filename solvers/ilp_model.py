@@ -249,10 +249,12 @@ class _Builder:
         # chain[j]: (y, chain_{x}_{y}_{j}) for each rematerialised y that saver j's recompute of x
         # recomputes first.
         self.chain: dict[int, list[tuple[int, cp_model.IntVar]]] = defaultdict(list)
-        pairs = chains(g, self.remat_candidates)
+        chained_inputs: dict[int, list[int]] = defaultdict(list)
+        for x, y in chains(g, self.remat_candidates):
+            chained_inputs[x].append(y)
         for j, found in list(self.again.items()):
             for x, again in found:
-                for y in (y for x2, y in pairs if x2 == x):
+                for y in chained_inputs.get(x, ()):
                     var = m.NewBoolVar(f"chain_{x}_{y}_{j}")
                     self.implies([again, self.remat[y]], var)
                     self.chain[j].append((y, var))
