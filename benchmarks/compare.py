@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -118,14 +119,26 @@ class Case:
     hf: bool = False  # a transformers model: "every block" uses its gradient_checkpointing_enable
 
 
-def _example(name: str, **build_kwargs: int) -> Workload:
-    """``examples/<name>.py``'s ``build(**build_kwargs)``, loaded by path (as measure_examples.py does)."""
+def _load_example(name: str) -> ModuleType:
+    """``examples/<name>.py``, loaded by path (as measure_examples.py does)."""
     spec = importlib.util.spec_from_file_location(f"compare_example_{name}", EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    built = module.build(**build_kwargs)
+    return module
+
+
+def _example(name: str, **build_kwargs: int) -> Workload:
+    """``examples/<name>.py``'s ``build(**build_kwargs)``."""
+    built = _load_example(name).build(**build_kwargs)
     return Workload(built[0], tuple(built[1]), dict(built[2]) if len(built) > 2 else {})
+
+
+def _gpt_tiny() -> Workload:
+    """examples/gpt.py's GPT with 2 layers, batch 2 × 64 tokens: the ``--quick`` smoke run's model."""
+    torch.manual_seed(0)
+    model = _load_example("gpt").GPT(n_layer=2, block_size=64)
+    return Workload(model, (torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))), {})
 
 
 def _gpt2(layers: int = 4) -> Workload:
@@ -191,8 +204,8 @@ CASES: dict[str, Case] = {
              _llama, lambda m: list(m.model.layers), hf=True),
         Case("bert", "transformers BERT classifier (4 layers, width 128), batch 4 × 128 tokens",
              _bert, lambda m: list(m.bert.encoder.layer), hf=True),
-        Case("gpt-tiny", "examples/gpt.py (6 layers, width 128), batch 2 × 64 tokens (--quick)",
-             lambda: _example("gpt", batch=2, seq=64), lambda m: list(m.blocks)),
+        Case("gpt-tiny", "examples/gpt.py (2 layers, width 128), batch 2 × 64 tokens (--quick)",
+             _gpt_tiny, lambda m: list(m.blocks)),
     )
 }
 QUICK_MODEL = "gpt-tiny"

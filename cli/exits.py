@@ -1,7 +1,7 @@
 """The one place library errors become exit codes (as fastapi-cli raises ``typer.Exit``).
 
-0 ok, 1 error, 2 usage, 3 budget infeasible, 130 interrupted (Ctrl-C outside a search, which
-keeps its best plan instead). Only ``CkptPlanError`` and ``KeyboardInterrupt`` are caught:
+0 ok, 1 error, 2 usage, 3 budget infeasible, 130 interrupted (Ctrl-C outside an ``ilp`` solve,
+which keeps its best plan instead). Only ``CkptPlanError`` and ``KeyboardInterrupt`` are caught:
 anything else is a bug and should surface with its traceback.
 """
 

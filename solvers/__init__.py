@@ -19,6 +19,7 @@ from ckptplan.solvers import dp as _dp  # noqa: F401  (registers "dp")
 from ckptplan.solvers import ilp as _ilp  # registers "ilp"; auto calls it with warm starts
 from ckptplan.solvers import remat_ilp as _remat_ilp
 from ckptplan.solvers import sqrt as _sqrt  # noqa: F401  (registers "sqrt")
+from ckptplan.solvers.cpsat import stopped
 from ckptplan.solvers.registry import available_solvers, get_solver, register
 from ckptplan.units import describe_bytes, parse_budget
 
@@ -155,8 +156,10 @@ def with_remat(
     neighbourhood search when it runs, the rest for the solve on the rematerialised graph (half
     each without the search); without a limit the solves take their solver's default and the
     search ``JOINT_SECONDS``. ``solver`` names what ``run`` runs, for the notes and the search.
+    A Ctrl-C that stopped the plain solve's ``ilp`` skips the later solve and the search.
     Raises ``InfeasibleBudgetError`` with the least peak either reached when neither fits."""
     started = time.perf_counter()
+    stopped.clear()
     order = _remat.by_price(graph)
     names = tuple(graph.nodes[x].name for x in order)
     alone = bool(order) and simulate(graph, (), remat=names).peak_bytes <= budget_bytes
@@ -185,7 +188,7 @@ def with_remat(
         info = SolverInfo(name="remat", status="feasible", seconds=time.perf_counter() - started,
                           note=f"{chose}no regions, rematerialises {fits} of {len(names)} candidates, the fewest that fit")
         plans.append(solver_plan(graph, (), budget_bytes, info, remat=names[:fits]))
-    elif both:
+    elif both and not stopped.is_set():
         left = None
         if time_limit is not None:
             left = max(time_limit - (joint_seconds if joint else 0.0) - (time.perf_counter() - started), 1.0)
@@ -207,7 +210,7 @@ def with_remat(
     if not plans:
         raise min(errors, key=lambda exc: exc.min_peak_bytes)
     best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
-    if joint and best.prediction.cost_seconds > 0:
+    if joint and best.prediction.cost_seconds > 0 and not stopped.is_set():
         seconds = joint_seconds if time_limit is None else max(time_limit - (time.perf_counter() - started), 1.0)
         found = _remat_ilp.search_with_remat(graph, budget_bytes, best, time_limit=seconds)
         if found is not None:

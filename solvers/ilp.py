@@ -299,10 +299,38 @@ def solve_ilp(
     with more outputs kept where they fit (``keep_more``; its policies get ``LARGE_POLICY_SHARE``
     of the limit when ``warm`` plans are given), and smaller ones, or ones without repeated
     blocks, are searched whole (``solve_flat``) with the block-by-block plan among the warm starts.
+    Ctrl-C at any point keeps the cheapest plan made so far (status ``timeout``; ``sqrt``'s when
+    none was made yet): during a CP-SAT search that search ends with its best plan, and before
+    one the phases left are skipped.
     """
     started = time.perf_counter()
-    limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     stopped.clear()
+    made = list(warm or ())  # every plan made so far that fits the budget
+    try:
+        log.info("ilp: %d nodes, up to %.0f s; Ctrl-C stops early and keeps the best plan so far", len(graph.nodes),
+                 DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
+        return _solve_ilp(graph, budget_bytes, made, started=started, time_limit=time_limit, workers=workers,
+                          seed=seed, window=window, warm=warm)
+    except KeyboardInterrupt:
+        stopped.set()
+        return _interrupted(graph, budget_bytes, made, started)
+
+
+def _solve_ilp(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    made: list[Plan],
+    *,
+    started: float,
+    time_limit: float | None,
+    workers: int,
+    seed: int,
+    window: int | None,
+    warm: Sequence[Plan] | None,
+) -> Plan:
+    """``solve_ilp``'s phases, each plan they make added to ``made``; a Ctrl-C that a CP-SAT
+    search took (``stopped``) between two phases raises ``KeyboardInterrupt`` again."""
+    limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     if budget_bytes >= graph.baseline_peak_bytes:
         return solve_flat(graph, budget_bytes, time_limit=limit)
     large, provable = len(graph.nodes) > FLAT_MAX_NODES, proof_follows(graph, limit)
@@ -311,19 +339,45 @@ def solve_ilp(
         plan = solve_hierarchical(graph, budget_bytes, time_limit=limit, warm=warm,
                                   policy_share=LARGE_POLICY_SHARE if longer else POLICY_SHARE)
         if plan is not None:
+            made.append(plan)
             return keep_more(graph, plan, budget_bytes, limit=limit)
     share = blocks_share(graph, limit)
     try:
         by_blocks = solve_hierarchical(graph, budget_bytes, time_limit=limit * share, warm=())
     except InfeasibleBudgetError:
         by_blocks = None
-    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit, names=warm_solvers(graph))
+    _raise_if_stopped(made, by_blocks)
+    if warm is None:
+        warm = warm_plans(graph, budget_bytes, limit, names=warm_solvers(graph))
+        made.extend(warm)
+    warm = list(warm)
     if by_blocks is not None:
         warm.append(by_blocks)
     return solve_flat(
         graph, budget_bytes, time_limit=limit * (1 - share), workers=workers, seed=seed,
         window=window, warm=warm, deadline=started + limit, proof_only=provable and by_blocks is not None,
     )
+
+
+def _raise_if_stopped(made: list[Plan], plan: Plan | None) -> None:
+    """Add ``plan`` to ``made``; then raise ``KeyboardInterrupt`` if a Ctrl-C has stopped a search."""
+    if plan is not None:
+        made.append(plan)
+    if stopped.is_set():
+        raise KeyboardInterrupt
+
+
+def _interrupted(graph: ComputeGraph, budget_bytes: int, made: list[Plan], started: float) -> Plan:
+    """The cheapest of ``made`` (else ``sqrt``'s plan) as ``solve_ilp``'s answer to a Ctrl-C that
+    came before its search could return one; ``KeyboardInterrupt`` again when there is none."""
+    plans = made or warm_plans(graph, budget_bytes, 0.0, names=("sqrt",))
+    if not plans:
+        raise KeyboardInterrupt
+    best = min(plans, key=lambda p: p.prediction.cost_seconds)
+    log.info("ilp: stopped by Ctrl-C; returning the %s plan", _origin(best))
+    return best.model_copy(update={"solver": SolverInfo(
+        name="ilp", status="timeout", seconds=time.perf_counter() - started,
+        note=f"stopped by Ctrl-C before its search returned; the {_origin(best)} plan made so far")})
 
 
 def proof_share(graph: ComputeGraph) -> float:

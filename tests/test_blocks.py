@@ -122,7 +122,7 @@ def test_frontier_names_the_middle_of_the_widest_unexplored_gap(gpt) -> None:
 def test_block_by_block_plans_fit_and_beat_sqrt(gpt, fraction: float) -> None:
     _, _, graph = gpt
     budget = parse_budget(fraction, graph.baseline_peak_bytes)
-    plan = solve_hierarchical(graph, budget, time_limit=8, warm=())
+    plan = solve_hierarchical(graph, budget, time_limit=4, warm=())
     assert plan is not None and plan.solver.name == "ilp" and "block by block" in plan.solver.note
     assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
     assert plan.prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
@@ -190,7 +190,7 @@ def test_keep_more_keeps_outputs_where_they_fit_and_recompute_less(gpt18) -> Non
 def test_block_by_block_plan_runs_with_equal_gradients_and_measured_peak(gpt) -> None:
     model, args, graph = gpt
     budget = parse_budget(0.5, graph.baseline_peak_bytes)
-    plan = solve_hierarchical(graph, budget, time_limit=8, warm=())
+    plan = solve_hierarchical(graph, budget, time_limit=4, warm=())
     assert len(plan.regions) >= 2
     emitted = ckptplan.emit(graph, plan)
     measured = ckptplan.measure_step(emitted, args).peak_bytes
@@ -213,7 +213,7 @@ def test_graphs_of_blocks_get_the_proof_phase_from_the_block_by_block_plan(gpt, 
     dp_cost = ckptplan.solve(graph, budget, solver="dp").prediction.cost_seconds
     for flat_max in (ilp.FLAT_MAX_NODES, len(graph.nodes) - 1):
         monkeypatch.setattr(ilp, "FLAT_MAX_NODES", flat_max)
-        plan = ilp.solve_ilp(graph, budget, time_limit=8)
+        plan = ilp.solve_ilp(graph, budget, time_limit=4)
         assert "block by block" in plan.solver.note and "proof phase on the whole graph" in plan.solver.note
         assert plan.solver.gap is not None and 0.0 <= plan.solver.gap <= 1.0
         assert plan.solver.status == "feasible" or plan.solver.gap == 0.0

@@ -64,7 +64,7 @@ def _table_rows(section: str) -> list[list[str]]:
     return rows
 
 
-def test_section_structure(compare: ModuleType, quick: tuple[Any, str, list[str]]) -> None:
+def _section_structure(compare: ModuleType, quick: tuple[Any, str, list[str]]) -> None:
     report, printed, writes = quick
     assert printed.strip() == report.section.strip()
     assert printed.lstrip().startswith(compare.BEGIN)
@@ -80,7 +80,7 @@ def test_section_structure(compare: ModuleType, quick: tuple[Any, str, list[str]
     assert writes == []  # --no-write writes neither RESULTS.md nor plots
 
 
-def test_reference_row(quick: tuple[Any, str, list[str]]) -> None:
+def _reference_row(quick: tuple[Any, str, list[str]]) -> None:
     report, printed, _ = quick
     first = _table_rows(printed)[0]
     assert first[0] == "no checkpoint"
@@ -88,7 +88,7 @@ def test_reference_row(quick: tuple[Any, str, list[str]]) -> None:
     assert report.results[0].points[0].metrics.time_ratio == 1.0
 
 
-def test_every_method_is_present_and_sane(quick: tuple[Any, str, list[str]]) -> None:
+def _every_method_is_present_and_sane(quick: tuple[Any, str, list[str]]) -> None:
     report, _, _ = quick
     (result,) = report.results
     groups = {p.group for p in result.points}
@@ -109,7 +109,7 @@ def test_every_method_is_present_and_sane(quick: tuple[Any, str, list[str]]) -> 
         assert point.metrics.peak_bytes < reference.peak_bytes
 
 
-def test_ckptplan_points_fit_their_budgets(compare: ModuleType, quick: tuple[Any, str, list[str]]) -> None:
+def _ckptplan_points_fit_their_budgets(compare: ModuleType, quick: tuple[Any, str, list[str]]) -> None:
     report, _, _ = quick
     (result,) = report.results
     solved = [p for p in result.points if p.group.startswith("ckptplan") and p.metrics is not None]
@@ -118,6 +118,16 @@ def test_ckptplan_points_fit_their_budgets(compare: ModuleType, quick: tuple[Any
         assert point.budget_bytes is not None
         assert point.metrics.peak_bytes <= point.budget_bytes * compare.WITHIN_BUDGET, point
         assert point.metrics.grads == "yes", point
+
+
+def test_quick_run(compare: ModuleType, quick: tuple[Any, str, list[str]], tmp_path: Path) -> None:
+    """Every check of the one ``--quick`` run, in one test: pytest-xdist would otherwise spread
+    them over its workers, and each worker would make the run again."""
+    _section_structure(compare, quick)
+    _reference_row(quick)
+    _every_method_is_present_and_sane(quick)
+    _ckptplan_points_fit_their_budgets(compare, quick)
+    _plot_writes_a_png(compare, quick, tmp_path)
 
 
 def test_write_section_replaces_only_the_marked_part(compare: ModuleType, tmp_path: Path) -> None:
@@ -132,7 +142,7 @@ def test_write_section_replaces_only_the_marked_part(compare: ModuleType, tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["RESULTS.md"]
 
 
-def test_plot_writes_a_png(compare: ModuleType, quick: tuple[Any, str, list[str]], tmp_path: Path) -> None:
+def _plot_writes_a_png(compare: ModuleType, quick: tuple[Any, str, list[str]], tmp_path: Path) -> None:
     report, _, _ = quick
     path = tmp_path / "plots" / "compare_quick.png"
     compare.plot(report.results[0], path)

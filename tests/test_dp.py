@@ -184,7 +184,7 @@ def test_coarse_memory_units_stay_within_budget() -> None:
     model, args = load_example("gpt").build(batch=4, seq=64)
     graph = ckptplan.profile(model, args)
     budget = int(0.6 * graph.baseline_peak_bytes)
-    fine_unit = 1024
+    fine_unit = 4096
     coarse = solve_dp(graph, budget, mem_unit=64 * fine_unit)
     fine = solve_dp(graph, budget, mem_unit=fine_unit)
     assert coarse.prediction.peak_bytes <= budget and fine.prediction.peak_bytes <= budget

@@ -364,6 +364,43 @@ def test_ctrl_c_ends_a_cp_sat_search_at_once_and_skips_later_ones() -> None:
         signal.signal(signal.SIGINT, inherited)
 
 
+def _interrupt(*args: object, **kwargs: object) -> None:
+    raise KeyboardInterrupt  # stands in for Ctrl-C landing in Python code between two searches
+
+
+def test_ctrl_c_before_the_search_returns_the_cheapest_plan_made_so_far(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C outside any CP-SAT search (while plans are refined, or blocks are decomposed)
+    still ends ``solve_ilp`` with a plan: the cheapest one made so far, else ``sqrt``'s; and
+    raises on when even ``sqrt`` has none."""
+    from ckptplan.solvers import ilp
+
+    graph = skip_graph()
+    budget = (graph.baseline_peak_bytes * 9) // 10
+    warm = ilp.warm_plans(graph, budget, 5.0)
+    cheapest = min(warm, key=lambda p: p.prediction.cost_seconds)
+    assert cheapest.regions != solve_sqrt(graph, budget).regions  # so that the two cases below differ
+    try:
+        monkeypatch.setattr(ilp, "starting_plan", _interrupt)  # after the warm plans are made
+        plan = solve_ilp(graph, budget, time_limit=5)
+        assert plan.regions == cheapest.regions and plan.solver.status == "timeout"
+        assert plan.solver.note.startswith("stopped by Ctrl-C") and stopped.is_set()
+
+        def absorbed(*args: object, **kwargs: object) -> None:
+            stopped.set()  # as a CP-SAT search of the block-by-block phase does when Ctrl-C lands in it
+
+        monkeypatch.setattr(ilp, "solve_hierarchical", absorbed)  # the phases after it are skipped
+        plan = solve_ilp(graph, budget, time_limit=5)
+        assert plan.regions == solve_sqrt(graph, budget).regions and plan.solver.note.startswith("stopped by Ctrl-C")
+        monkeypatch.setattr(ilp, "solve_hierarchical", _interrupt)  # before any plan is made
+        plan = solve_ilp(graph, budget, time_limit=5)
+        assert plan.regions == solve_sqrt(graph, budget).regions and plan.solver.status == "timeout"
+        assert simulate(graph, plan).peak_bytes <= budget
+        with pytest.raises(KeyboardInterrupt):
+            solve_ilp(graph, least_peak_regions(graph)[1] - 1, time_limit=5)
+    finally:
+        stopped.clear()
+
+
 def test_a_search_outside_the_main_thread_runs_in_place() -> None:
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = 1.0
@@ -518,9 +555,9 @@ def test_the_proof_phase_searches_only_the_plans_recomputing_fewer_of_a_class() 
 
 # ----------------------------------------------------------------------------- real models
 def test_keep_set_plan_on_unet_runs_with_equal_gradients_and_measured_peak() -> None:
-    model, args = load_example("unet").build()
+    model, args = load_example("unet").build(batch=2)
     graph = ckptplan.profile(model, args)
-    plan = ckptplan.solve(graph, 0.7, solver="ilp", time_limit=10)
+    plan = ckptplan.solve(graph, 0.7, solver="ilp", time_limit=3)
     assert any(region.keep for region in plan.regions) and plan.solver.name == "ilp"
     emitted = ckptplan.emit(graph, plan)
     measured = ckptplan.measure_step(emitted, args).peak_bytes

@@ -1,7 +1,7 @@
 """Predictions against measurement: the simulator's peak vs MemTracker's over a real CPU step.
 
-The examples run at their Quickstart shapes, at every budget the sqrt solver reaches between
-90% and 60% of the no-checkpoint peak, plus hand-made nested and selective plans.
+The examples run at their Quickstart shapes, at budgets from 90% to 60% of the no-checkpoint peak,
+plus hand-made nested and selective plans.
 """
 
 from __future__ import annotations
@@ -30,30 +30,27 @@ def _assert_close(predicted: int, measured: int, what: str) -> None:
 
 
 def test_examples_predicted_peak_matches_memtracker(example_name: str) -> None:
+    """The sqrt solver's plans at 90% and 75% of the baseline, and ``auto``'s at 60% (the
+    Quickstart's budget; issue #2's acceptance check: the measured peak fits), each measured in
+    a real step: within 3% of the prediction, and sqrt's falling with the budget (auto spends a
+    budget on recomputing less, so its peak may sit above a plan made for a larger one)."""
     model, args = load_example(example_name).build()
     graph = ckptplan.profile(model, args)
     _assert_close(graph.baseline_peak_bytes, ckptplan.measure_step(model, args).peak_bytes, "no checkpoint")
     measured_peaks = []
-    for fraction in (0.9, 0.75, 0.6):
+    for fraction, solver in ((0.9, "sqrt"), (0.75, "sqrt"), (0.6, "auto")):
         try:
-            plan = ckptplan.solve(graph, fraction, solver="sqrt")
+            plan = ckptplan.solve(graph, fraction, solver=solver, time_limit=4)  # auto with a shorter search
         except InfeasibleBudgetError:
+            assert solver == "sqrt", "auto must reach the Quickstart's budget"
             continue
         measured = ckptplan.measure_step(ckptplan.emit(graph, plan), args).peak_bytes
-        _assert_close(plan.prediction.peak_bytes, measured, f"{example_name} at {fraction}")
-        assert measured <= plan.budget.bytes * (1 + TOLERANCE)
-        measured_peaks.append(measured)
+        _assert_close(plan.prediction.peak_bytes, measured, f"{example_name}: {solver} at {fraction}")
+        assert measured <= plan.budget.bytes * (1 if solver == "auto" else 1 + TOLERANCE)
+        if solver == "sqrt":
+            measured_peaks.append(measured)
     assert measured_peaks, "the sqrt solver should reach at least 90% of the baseline"
-    assert measured_peaks == sorted(measured_peaks, reverse=True), "measured peak must fall with the budget"
-
-
-def test_quickstart_budget_of_60_percent_holds_when_measured(example_name: str) -> None:
-    """The acceptance check of issue #2: at 60% of the baseline, the measured peak fits."""
-    model, args = load_example(example_name).build()
-    graph = ckptplan.profile(model, args)
-    plan = ckptplan.solve(graph, 0.6, time_limit=4)  # auto, as the Quickstart runs it, with a shorter search
-    measured = ckptplan.measure_step(ckptplan.emit(graph, plan), args).peak_bytes
-    assert measured <= plan.budget.bytes
+    assert measured_peaks == sorted(measured_peaks, reverse=True), "sqrt's measured peak must fall with the budget"
 
 
 @pytest.mark.parametrize(
@@ -140,41 +137,46 @@ ZOO = {
 }
 
 
-@pytest.mark.parametrize("solver", ["sqrt", "dp", "ilp", "auto"])
 @pytest.mark.parametrize("case", sorted(ZOO))
-def test_every_solver_plan_trains_equally_within_budget(case: str, solver: str) -> None:
+def test_every_solver_plan_trains_equally_within_budget(case: str) -> None:
     """Issue #5 for every model of the zoo and every solver: profile -> solve -> emit -> one step.
     The emitted module's loss, gradients and buffers equal the original's (dropout replayed), and
     its measured peak is within the budget and within 3% of the prediction. The budget is 70% of
-    the no-checkpoint peak, or the least the solver reaches."""
+    the no-checkpoint peak, or the least the solver reaches. One profile serves every solver; the
+    model's state is restored before each one's step, since batch norm's statistics move."""
     torch.manual_seed(0)
     model, args, kwargs = ZOO[case]()
     reference = copy.deepcopy(model)
+    state = copy.deepcopy(model.state_dict())
     graph = ckptplan.profile(model, args, kwargs)
-    try:
-        plan = ckptplan.solve(graph, 0.7, solver=solver, time_limit=2)
-    except InfeasibleBudgetError as error:
-        plan = ckptplan.solve(graph, error.min_peak_bytes, solver=solver, time_limit=2)
-    emitted = ckptplan.emit(graph, plan)
-    losses = []
-    for module in (reference, emitted):
+    torch.manual_seed(1)
+    reference_loss = training_loss(reference(*args, **kwargs))
+    reference_loss.backward()
+    for solver in ("sqrt", "dp", "ilp", "auto"):
+        try:
+            plan = ckptplan.solve(graph, 0.7, solver=solver, time_limit=2)
+        except InfeasibleBudgetError as error:
+            plan = ckptplan.solve(graph, error.min_peak_bytes, solver=solver, time_limit=2)
+        emitted = ckptplan.emit(graph, plan)
+        model.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
-        losses.append(training_loss(module(*args, **kwargs)))
-        losses[-1].backward()
-    torch.testing.assert_close(losses[1], losses[0])
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert (p.grad is None) == (q.grad is None), name
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=f"gradient of {name}")
-    for (name, b), c in zip(model.named_buffers(), reference.buffers(), strict=True):
-        torch.testing.assert_close(b, c, msg=f"buffer {name}")
-    measured = ckptplan.measure_step(emitted, args, kwargs).peak_bytes
-    # A few bytes of scalars are not modelled exactly (README, Limits): at a budget equal to the
-    # least peak, the step may use up to SCALAR_SLACK_BYTES more.
-    assert measured <= plan.budget.bytes + SCALAR_SLACK_BYTES, (
-        f"{solver} on {case}: measured {measured} over budget {plan.budget.bytes}"
-    )
-    _assert_close(plan.prediction.peak_bytes, measured, f"{solver} on {case}")
+        loss = training_loss(emitted(*args, **kwargs))
+        loss.backward()
+        torch.testing.assert_close(loss, reference_loss, msg=f"{solver}: loss")
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), f"{solver}: {name}"
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=f"{solver}: gradient of {name}")
+        for (name, b), c in zip(model.named_buffers(), reference.buffers(), strict=True):
+            torch.testing.assert_close(b, c, msg=f"{solver}: buffer {name}")
+        measured = ckptplan.measure_step(emitted, args, kwargs).peak_bytes
+        # A few bytes of scalars are not modelled exactly (README, Limits): at a budget equal to the
+        # least peak, the step may use up to SCALAR_SLACK_BYTES more.
+        assert measured <= plan.budget.bytes + SCALAR_SLACK_BYTES, (
+            f"{solver} on {case}: measured {measured} over budget {plan.budget.bytes}"
+        )
+        _assert_close(plan.prediction.peak_bytes, measured, f"{solver} on {case}")
 
 
 def test_gradient_added_to_a_slice_of_cat_s_gradient_frees_that_gradient() -> None:

@@ -21,7 +21,7 @@ from tests.synthetic import chain_graph, skip_graph, without_modules
 SOLVERS = available_solvers()
 
 GRAPHS = {
-    "uniform24": lambda: chain_graph([1000] * 24, param_bytes=16, saves_output=True),
+    "uniform16": lambda: chain_graph([1000] * 16, param_bytes=16, saves_output=True),
     "varied20": lambda: chain_graph([(37 * i) % 500 + 100 for i in range(20)], param_bytes=40),
     "bulge6": lambda: chain_graph([100, 100, 400, 400, 100, 100]),
     "skip": skip_graph,
@@ -201,9 +201,9 @@ def test_budget_below_the_least_peak_names_it(solver: str, graph_name: str) -> N
 # the slow ones add only CI time (about 17 s).
 @pytest.mark.parametrize("solver", ["sqrt", "dp"])
 def test_budget_forms_resolve_to_the_same_bytes(solver: str) -> None:
-    graph = graph_named("uniform24")
+    graph = graph_named("uniform16")
     expected = int(0.6 * graph.baseline_peak_bytes)
-    assert expected >= least_peak("uniform24", solver)  # 60% is reachable on this graph
+    assert expected >= least_peak("uniform16", solver)  # 60% is reachable on this graph
     plans = {form: solve(graph, form, solver=solver) for form in ("60%", 0.6, "0.6", expected)}
     assert {p.budget.bytes for p in plans.values()} == {expected}
     assert plans["60%"].budget.requested == "60%" and plans[expected].budget.requested == str(expected)
@@ -231,8 +231,8 @@ def test_solve_checks_the_budget_text() -> None:
 
 
 def test_solvers_reduce_memory_on_a_long_chain() -> None:
-    # Teeth for the tests above: checkpointing a 24-layer chain reaches well under its baseline.
-    graph = graph_named("uniform24")
+    # Teeth for the tests above: checkpointing a 16-layer chain reaches well under its baseline.
+    graph = graph_named("uniform16")
     plan = solve(graph, "60%")
     assert plan.regions and plan.prediction.recompute_flops > 0
     assert plan.prediction.peak_bytes <= 0.6 * graph.baseline_peak_bytes
@@ -271,9 +271,9 @@ def test_segment_is_chens_greedy() -> None:
 
 
 def test_sqrt_records_its_provenance() -> None:
-    plan = solve(graph_named("uniform24"), "60%", solver="sqrt")
+    plan = solve(graph_named("uniform16"), "60%", solver="sqrt")
     assert plan.solver.name == "sqrt" and plan.solver.status == "feasible"
-    assert f"{len(plan.regions)} checkpoint segment(s) over 24 nodes" in plan.solver.note
+    assert f"{len(plan.regions)} checkpoint segment(s) over 16 nodes" in plan.solver.note
     assert all(isinstance(r, Region) and not r.children and not r.keep for r in plan.regions)
 
 

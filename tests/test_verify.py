@@ -32,7 +32,7 @@ def _solved(tmp_path: Path) -> tuple[Path, Path]:
     model_file = tmp_path / "model.py"
     model_file.write_text(MODEL)
     plan_file = tmp_path / "plan.json"
-    result = CliRunner().invoke(app, ["solve", str(model_file), "--budget", "0.8", "--out", str(plan_file)])
+    result = CliRunner().invoke(app, ["solve", str(model_file), "--budget", "0.8", "--time-limit", "2", "--out", str(plan_file)])
     assert result.exit_code == 0, result.output
     return model_file, plan_file
 
@@ -41,7 +41,7 @@ def test_verify_measures_within_budget_with_equal_gradients() -> None:
     torch.manual_seed(0)
     model = models.DropoutEverywhere(width=128, depth=6)
     args = (torch.randn(512, 128),)
-    plan = ckptplan.solve(ckptplan.profile(model, args), 0.8)
+    plan = ckptplan.solve(ckptplan.profile(model, args), 0.8, time_limit=2)
     result = ckptplan.verify(model, args, plan, steps=1)
     assert result.within_budget and result.gradients_equal and result.max_grad_error == 0.0
     assert abs(result.prediction_error) <= 0.03
