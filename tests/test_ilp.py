@@ -215,8 +215,9 @@ def test_model_peak_equals_the_simulated_peak_under_autocast(target: str) -> Non
 def test_a_stopped_least_peak_search_still_names_sqrt_s_least() -> None:
     """The least peak an infeasible-budget error names: a search stopped at once still reports
     the least of ``sqrt``'s plans (where it starts), not the no-checkpoint peak."""
-    model, args = load_example("gpt").build(batch=2, seq=64)
-    graph = ckptplan.profile(model, args)
+    torch.manual_seed(0)
+    model = load_example("gpt").GPT(n_layer=2, block_size=64)
+    graph = ckptplan.profile(model, (torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))))
     _, sqrt_least = least_peak_regions(graph)
     peak, _ = least_peak(graph, time_limit=1.0, deterministic_seconds=0.001, workers=1, seed=0, window=None)
     assert peak <= sqrt_least < graph.baseline_peak_bytes
