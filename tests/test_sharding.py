@@ -96,15 +96,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _second_step_peak(module: nn.Module, x: torch.Tensor) -> int:
+    """MemTracker's peak over the second of two training steps of ``module`` (the steady state a
+    training loop sees: FSDP2's buffers exist by then)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from ckptplan.profiler.loss import training_loss
+
+    for _ in range(2):
+        for p in module.parameters():
+            p.grad = None
+        tracker = MemTracker()
+        tracker.track_external(module, x)
+        with tracker:
+            training_loss(module(x)).backward()
+    return int(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+
+
 def _fsdp2_peak(world: int, checkpointed: bool) -> int:
     """This rank's MemTracker peak over the second step of the stack under FSDP2, each block
     checkpointed with ``torch.utils.checkpoint`` when ``checkpointed``."""
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.utils.checkpoint import checkpoint
 
-    from ckptplan.profiler.loss import training_loss
 
     class Checkpointed(nn.Module):
         def __init__(self, block: nn.Module) -> None:
@@ -122,19 +137,11 @@ def _fsdp2_peak(world: int, checkpointed: bool) -> int:
     for block in model:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    for _ in range(2):  # the second step is the steady state a training loop sees
-        for p in model.parameters():
-            p.grad = None
-        tracker = MemTracker()
-        tracker.track_external(model, x)
-        with tracker:
-            training_loss(model(x)).backward()
-    return int(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+    return _second_step_peak(model, x)
 
 
 def _fsdp2_emitted(world: int) -> tuple[int, int, float]:
     """(measured peak, predicted peak, largest gradient error) of an emitted module under FSDP2."""
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -152,18 +159,11 @@ def _fsdp2_emitted(world: int) -> tuple[int, int, float]:
     for block in model:  # the model's own blocks, as a training script shards them
         fully_shard(block, mesh=mesh)
     fully_shard(emitted, mesh=mesh)
-    for _ in range(2):
-        for p in emitted.parameters():
-            p.grad = None
-        tracker = MemTracker()
-        tracker.track_external(emitted, x)
-        with tracker:
-            training_loss(emitted(x)).backward()
+    peak = _second_step_peak(emitted, x)
     grad_error = max(
         (p.grad.full_tensor() - q.grad).abs().max().item()
         for p, q in zip(emitted.parameters(), reference.parameters())
     )
-    peak = int(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
     return peak, plan.prediction.peak_bytes, grad_error
 
 
