@@ -328,8 +328,9 @@ def _solve_ilp(
     window: int | None,
     warm: Sequence[Plan] | None,
 ) -> Plan:
-    """``solve_ilp``'s phases, each plan they make added to ``made``; a Ctrl-C that a CP-SAT
-    search took (``stopped``) between two phases raises ``KeyboardInterrupt`` again."""
+    """``solve_ilp``'s phases, each plan they make added to ``made`` (which starts as ``warm``);
+    a Ctrl-C that a CP-SAT search of the block-by-block phase took (``stopped``) raises
+    ``KeyboardInterrupt`` again before the next phase."""
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     if budget_bytes >= graph.baseline_peak_bytes:
         return solve_flat(graph, budget_bytes, time_limit=limit)
@@ -346,25 +347,16 @@ def _solve_ilp(
         by_blocks = solve_hierarchical(graph, budget_bytes, time_limit=limit * share, warm=())
     except InfeasibleBudgetError:
         by_blocks = None
-    _raise_if_stopped(made, by_blocks)
-    if warm is None:
-        warm = warm_plans(graph, budget_bytes, limit, names=warm_solvers(graph))
-        made.extend(warm)
-    warm = list(warm)
+    if warm is None and not stopped.is_set():
+        made.extend(warm_plans(graph, budget_bytes, limit, names=warm_solvers(graph)))
     if by_blocks is not None:
-        warm.append(by_blocks)
-    return solve_flat(
-        graph, budget_bytes, time_limit=limit * (1 - share), workers=workers, seed=seed,
-        window=window, warm=warm, deadline=started + limit, proof_only=provable and by_blocks is not None,
-    )
-
-
-def _raise_if_stopped(made: list[Plan], plan: Plan | None) -> None:
-    """Add ``plan`` to ``made``; then raise ``KeyboardInterrupt`` if a Ctrl-C has stopped a search."""
-    if plan is not None:
-        made.append(plan)
-    if stopped.is_set():
+        made.append(by_blocks)
+    if stopped.is_set():  # a CP-SAT search of the block-by-block phase took a Ctrl-C
         raise KeyboardInterrupt
+    return solve_flat(  # starts from every plan made: the warm ones, then the block-by-block one
+        graph, budget_bytes, time_limit=limit * (1 - share), workers=workers, seed=seed,
+        window=window, warm=made, deadline=started + limit, proof_only=provable and by_blocks is not None,
+    )
 
 
 def _interrupted(graph: ComputeGraph, budget_bytes: int, made: list[Plan], started: float) -> Plan:
