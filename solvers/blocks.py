@@ -71,6 +71,11 @@ BALLAST_SHARES = (0.0, 1.0, 4.0)
 FRONTIER_SOLVES = 12
 FRONTIER_RESOLUTION = 100
 KEEP_STEPS = 4  # keep-set sizes of ranked_keep_policies: 0, 1/4, ..., all of the keepable nodes
+SMALL_REGION_NODES = 4  # small_region_policies: regions of at most this many nodes,
+SMALL_REGION_POLICIES = 4  # the best 1, 2, ..., this many of them
+# What measuring them costs, per node of the block (1.6, 2.1 and 2.9 ms on the GPT example's,
+# a transformers GPT-2's and a Llama's blocks of 25, 41 and 63 nodes), out of the block's seconds.
+SMALL_REGION_SECONDS_PER_NODE = 0.003
 FREED_UNITS = 4000  # buckets of freed bytes in which the choice DP keeps one state
 MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan overshoots
 # With this many seconds per block solve, the lowest budget tried is the least peak the flat ilp
@@ -194,10 +199,11 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
 
 def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list[tuple[Region, ...]]:
     """Candidate policies for ``block`` (relative regions, keep-sets naming the block's nodes):
-    none, ``ranked_keep_policies``, and the flat ilp's plans of ``block_graph`` at
-    ``POLICY_BUDGETS`` budgets from a least peak to its unplanned peak, for each ballast of
-    ``BALLAST_SHARES``, and with the largest ballast at ``FRONTIER_SOLVES`` more budgets where
-    its frontier has the widest gaps. Each solve starts from the ranked policies, the plans
+    none, ``ranked_keep_policies``, ``small_region_policies`` (whose measuring comes out of
+    ``seconds``), and the flat ilp's plans of ``block_graph`` at ``POLICY_BUDGETS`` budgets from
+    a least peak to its unplanned peak, for each ballast of ``BALLAST_SHARES``, and with the
+    largest ballast at ``FRONTIER_SOLVES`` more budgets where its frontier has the widest gaps.
+    Each solve starts from the ranked policies, the plans
     found so far and the ``sqrt`` and ``dp`` plans; the least peak is the lowest of theirs, or the
     flat ilp's when ``seconds`` allows ``THOROUGH_SECONDS`` per solve. ``seconds`` is shared out
     by the block's size (``SOLVE_SECONDS_PER_NODE`` and its siblings), not by the clock, so
@@ -209,9 +215,10 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
 
     length = block.end - block.start
     ranked = ranked_keep_policies(graph, block)
-    found: list[tuple[Region, ...]] = [(), *ranked]
+    found: list[tuple[Region, ...]] = [(), *ranked, *small_region_policies(graph, block)]
     activation = sum(graph.saved_bytes(i) for i in range(block.start, block.end))
     nodes = length + 1  # the block graph's, with its ballast
+    seconds = max(0.0, seconds - SMALL_REGION_SECONDS_PER_NODE * length)  # what the small regions took
     # per solve; dp's limit for its warm plans
     slot = seconds / (len(BALLAST_SHARES) * (POLICY_BUDGETS + 1) + FRONTIER_SOLVES)
     # dp's plans warm-start every solve: without them, solves of 0.2 s from sqrt's plan made the
@@ -339,6 +346,40 @@ def ranked_keep_policies(graph: ComputeGraph, block: Block) -> list[tuple[Region
         names = tuple(graph.nodes[i].name for i in sorted(keep))
         policies.append((Region(0, length, keep=names),))
     return list(dict.fromkeys(policies))
+
+
+def small_region_policies(graph: ComputeGraph, block: Block) -> list[tuple[Region, ...]]:
+    """Regions of at most ``SMALL_REGION_NODES`` nodes, without keep-sets: each such region is
+    measured alone on ``block_graph`` with the block's unplanned peak as ballast (so its peak
+    falls by what the block stores less), and, in order of bytes freed per second of recompute,
+    those not overlapping a better one are taken; the policies are the first 1, 2, ...,
+    ``SMALL_REGION_POLICIES`` of them. Megatron's selective recompute is such a policy
+    (attention's core alone, Korthikanti et al. 2022), which the ranked keep policies, one region
+    over the whole block, reach only by keeping every other op at a dispatch cost each: on the
+    GPT example at 60% of its peak, a block-by-block plan made without flat solves (a short
+    limit) cost 7.5x the one recomputing attention alone."""
+    lo = block.start
+    sub = block_graph(graph, block)
+    sub = block_graph(graph, block, sub.baseline_peak_bytes)
+    top = sub.baseline_peak_bytes
+    scored = []
+    for start in range(lo, block.end):
+        if start not in graph.boundaries:
+            continue
+        for end in range(start + 1, min(start + SMALL_REGION_NODES, block.end) + 1):
+            if end not in graph.boundaries:
+                continue
+            report = simulate(sub, (Region(start - lo, end - lo),))
+            freed = top - report.peak_bytes
+            if freed > 0 and report.cost_seconds > 0:
+                scored.append((-freed / report.cost_seconds, start - lo, end - lo))
+    chosen: list[Region] = []
+    for _, start, end in sorted(scored):
+        if len(chosen) == SMALL_REGION_POLICIES:
+            break
+        if all(end <= r.start or r.end <= start for r in chosen):
+            chosen.append(Region(start, end))
+    return [tuple(sorted(chosen[:count], key=lambda r: r.start)) for count in range(1, len(chosen) + 1)]
 
 
 def shift(graph: ComputeGraph, policy: tuple[Region, ...], source: Block, target: Block) -> tuple[Region, ...] | None:
