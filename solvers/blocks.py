@@ -203,11 +203,11 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     ``seconds``), and the flat ilp's plans of ``block_graph`` at ``POLICY_BUDGETS`` budgets from
     a least peak to its unplanned peak, for each ballast of ``BALLAST_SHARES``, and with the
     largest ballast at ``FRONTIER_SOLVES`` more budgets where its frontier has the widest gaps.
-    Each solve starts from the ranked policies, the plans
-    found so far and the ``sqrt`` and ``dp`` plans; the least peak is the lowest of theirs, or the
-    flat ilp's when ``seconds`` allows ``THOROUGH_SECONDS`` per solve. ``seconds`` is shared out
-    by the block's size (``SOLVE_SECONDS_PER_NODE`` and its siblings), not by the clock, so
-    every run makes the same solves with the same limits. Below ``MIN_SOLVE_SECONDS`` per solve
+    Each solve starts from the ranked policies, the plans found so far and the ``sqrt`` and
+    ``dp`` plans; the least peak is the lowest of theirs, or the flat ilp's when ``seconds``
+    allows ``THOROUGH_SECONDS`` per solve. ``seconds`` is shared out by the block's size
+    (``SOLVE_SECONDS_PER_NODE`` and its siblings), not by the clock, so every run makes the same
+    solves with the same limits. Below ``MIN_SOLVE_SECONDS`` per solve
     there are no flat solves: each budget's policy is the ilp's starting plan instead
     (``ilp.starting_plan``: those warm plans with keeps added or shed by ``solvers.refine``),
     for as many ballasts and budgets, in order, as ``seconds`` pays for."""
