@@ -4,6 +4,7 @@ simulator."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -24,6 +25,8 @@ from ckptplan.solvers.registry import available_solvers, get_solver, register
 from ckptplan.units import describe_bytes, parse_budget
 
 __all__ = ["available_solvers", "register", "solve"]
+
+log = logging.getLogger(__name__)
 
 AUTO_ILP_SECONDS = 30.0  # auto's default time limit for the ilp search
 
@@ -192,6 +195,8 @@ def with_remat(
         left = None
         if time_limit is not None:
             left = max(time_limit - (joint_seconds if joint else 0.0) - (time.perf_counter() - started), 1.0)
+        log.info("remat: solving again with %d cheap ops rematerialised (dropped after forward, recomputed in backward)",
+                 len(order))
         try:
             shrunk = run(_remat.Remat(graph, order, ()).graph, left)
         except CkptPlanError as exc:  # infeasible, or out of time: the plain plan stands

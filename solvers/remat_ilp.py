@@ -71,6 +71,7 @@ def search_with_remat(
     deadline = started + time_limit
     if any(r.children for r in start.regions):
         return None
+    log.info("remat: choosing regions and rematerialised ops together, up to %.0f s", time_limit)
     # Regions at most a neighbourhood longer than the start's longest: each step frees one
     # neighbourhood, and a smaller model makes each step's copy and presolve cheaper.
     window = max(2 * LNS_WINDOW, max((r.end - r.start for r in start.regions), default=0) + LNS_WINDOW)
