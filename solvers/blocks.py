@@ -8,8 +8,9 @@ is made per block. So, in four steps:
    classes (blocks whose nodes match op for op and byte for byte).
 2. ``block_policies``: for each class, one block is solved as a graph of its own (``block_graph``)
    by the flat ``ilp`` at several budgets. Each plan found is a *policy*: regions and keep-sets
-   relative to the block's first node. "No checkpoint" and "one region over the block" are
-   always policies.
+   relative to the block's first node. "No checkpoint", "one region over the block" (keeping
+   more or fewer of its ops) and the small regions that free the most bytes per recompute
+   second are always policies.
 3. ``measure``: each policy is simulated on the whole graph at one *probe* block of its class
    (every other block unplanned). That gives, exactly, its recompute cost, ``freed_bytes`` (how
    much less is live from the end of the block's forward until its backward starts) and the
@@ -73,9 +74,10 @@ FRONTIER_RESOLUTION = 100
 KEEP_STEPS = 4  # keep-set sizes of ranked_keep_policies: 0, 1/4, ..., all of the keepable nodes
 SMALL_REGION_NODES = 4  # small_region_policies: regions of at most this many nodes,
 SMALL_REGION_POLICIES = 4  # the best 1, 2, ..., this many of them
-# What measuring them costs, per node of the block (1.6, 2.1 and 2.9 ms on the GPT example's,
-# a transformers GPT-2's and a Llama's blocks of 25, 41 and 63 nodes), out of the block's seconds.
-SMALL_REGION_SECONDS_PER_NODE = 0.003
+# What measuring them costs (about 4 simulations of the block per node: quadratic in its size),
+# per pair of the block's nodes, out of the block's seconds: 40-110 us measured here on the GPT
+# example's, a transformers GPT-2's and a Llama's blocks of 25, 41 and 63 nodes.
+SMALL_REGION_SECONDS_PER_PAIR = 80e-6
 FREED_UNITS = 4000  # buckets of freed bytes in which the choice DP keeps one state
 MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan overshoots
 # With this many seconds per block solve, the lowest budget tried is the least peak the flat ilp
@@ -126,7 +128,7 @@ class Decomposition:
         return (
             f"{len(self.blocks)} repeated blocks of {'/'.join(map(str, sizes))} nodes in {len(self.probes)} "
             f"class(es) ({', '.join(map(str, counts))}), {sum(len(p) for p in self.policies)} block policies "
-            "from the flat ilp on one block per class, one policy per block chosen by dynamic programming"
+            "made on one block per class, one policy per block chosen by dynamic programming"
         )
 
 
@@ -207,10 +209,10 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     ``dp`` plans; the least peak is the lowest of theirs, or the flat ilp's when ``seconds``
     allows ``THOROUGH_SECONDS`` per solve. ``seconds`` is shared out by the block's size
     (``SOLVE_SECONDS_PER_NODE`` and its siblings), not by the clock, so every run makes the same
-    solves with the same limits. Below ``MIN_SOLVE_SECONDS`` per solve
-    there are no flat solves: each budget's policy is the ilp's starting plan instead
-    (``ilp.starting_plan``: those warm plans with keeps added or shed by ``solvers.refine``),
-    for as many ballasts and budgets, in order, as ``seconds`` pays for."""
+    solves with the same limits. Below ``MIN_SOLVE_SECONDS`` per solve there are no flat solves:
+    each budget's policy is the ilp's starting plan instead (``ilp.starting_plan``: those warm
+    plans with keeps added or shed by ``solvers.refine``), for as many ballasts and budgets, in
+    order, as ``seconds`` pays for."""
     from ckptplan.solvers.ilp import solve_flat  # ilp imports this module
 
     length = block.end - block.start
@@ -218,7 +220,7 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     found: list[tuple[Region, ...]] = [(), *ranked, *small_region_policies(graph, block)]
     activation = sum(graph.saved_bytes(i) for i in range(block.start, block.end))
     nodes = length + 1  # the block graph's, with its ballast
-    seconds = max(0.0, seconds - SMALL_REGION_SECONDS_PER_NODE * length)  # what the small regions took
+    seconds = max(0.0, seconds - SMALL_REGION_SECONDS_PER_PAIR * length**2)  # what the small regions took
     # per solve; dp's limit for its warm plans
     slot = seconds / (len(BALLAST_SHARES) * (POLICY_BUDGETS + 1) + FRONTIER_SOLVES)
     # dp's plans warm-start every solve: without them, solves of 0.2 s from sqrt's plan made the
@@ -332,8 +334,8 @@ class Frontier:
 def ranked_keep_policies(graph: ComputeGraph, block: Block) -> list[tuple[Region, ...]]:
     """One region over the block keeping the ``k`` nodes whose recomputation costs most per byte
     kept, for ``k`` from none to all (``KEEP_STEPS`` steps), and keeping exactly the nodes with
-    FLOPs (matmul outputs: Megatron's selective recompute, Korthikanti et al. 2022). Fast to
-    make, and a frame for the ilp's finer plans."""
+    FLOPs (the matmul outputs, which Megatron's selective recompute keeps; Korthikanti et al.
+    2022). Fast to make, and a frame for the ilp's finer plans."""
     ranked = sorted(
         (i for i in range(block.start, block.end) if keepable(graph, i)),
         key=lambda i: (-keep_priority(graph, i), i),
@@ -353,11 +355,12 @@ def small_region_policies(graph: ComputeGraph, block: Block) -> list[tuple[Regio
     measured alone on ``block_graph`` with the block's unplanned peak as ballast (so its peak
     falls by what the block stores less), and, in order of bytes freed per second of recompute,
     those not overlapping a better one are taken; the policies are the first 1, 2, ...,
-    ``SMALL_REGION_POLICIES`` of them. Megatron's selective recompute is such a policy
-    (attention's core alone, Korthikanti et al. 2022), which the ranked keep policies, one region
-    over the whole block, reach only by keeping every other op at a dispatch cost each: on the
-    GPT example at 60% of its peak, a block-by-block plan made without flat solves (a short
-    limit) cost 7.5x the one recomputing attention alone."""
+    ``SMALL_REGION_POLICIES`` of them (a region that frees bytes at no cost first). Recomputing
+    attention's core alone, the heart of Megatron's selective recompute (Korthikanti et al.
+    2022), is such a policy; the ranked keep policies, one region over the whole block, reach it
+    only by keeping every other op at a dispatch cost each. On ``examples/gpt.py`` as built at 60%
+    of its peak, a block-by-block plan made without flat solves (a short limit) cost 7.5x the one
+    recomputing attention alone, and 4.5x under ``auto`` with 15 s."""
     lo = block.start
     sub = block_graph(graph, block)
     sub = block_graph(graph, block, sub.baseline_peak_bytes)
@@ -371,8 +374,9 @@ def small_region_policies(graph: ComputeGraph, block: Block) -> list[tuple[Regio
                 continue
             report = simulate(sub, (Region(start - lo, end - lo),))
             freed = top - report.peak_bytes
-            if freed > 0 and report.cost_seconds > 0:
-                scored.append((-freed / report.cost_seconds, start - lo, end - lo))
+            if freed > 0:
+                per_second = freed / report.cost_seconds if report.cost_seconds > 0 else math.inf
+                scored.append((-per_second, start - lo, end - lo))
     chosen: list[Region] = []
     for _, start, end in sorted(scored):
         if len(chosen) == SMALL_REGION_POLICIES:

@@ -140,7 +140,7 @@ def test_menus_hold_attention_recomputed_alone_whatever_the_limit(gpt) -> None:
     alone = simulate(graph, attention)
     budget = parse_budget(0.7, graph.baseline_peak_bytes)
     assert alone.peak_bytes <= budget
-    for seconds in (0.3, 4):  # ranked and refined policies only; flat solves of each block too
+    for seconds in (0.3, 4):  # menus without flat block solves, with one and with 24 refined warm plans
         plan = solve_hierarchical(graph, budget, time_limit=seconds, warm=())
         assert plan is not None and plan.prediction.peak_bytes <= budget
         assert plan.prediction.cost_seconds <= alone.cost_seconds * (1 + 1e-9)
