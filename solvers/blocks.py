@@ -217,7 +217,8 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
 
     length = block.end - block.start
     ranked = ranked_keep_policies(graph, block)
-    found: list[tuple[Region, ...]] = [(), *ranked, *small_region_policies(graph, block)]
+    alone = block_graph(graph, block).baseline_peak_bytes
+    found: list[tuple[Region, ...]] = [(), *ranked, *small_region_policies(graph, block, alone)]
     activation = sum(graph.saved_bytes(i) for i in range(block.start, block.end))
     nodes = length + 1  # the block graph's, with its ballast
     seconds = max(0.0, seconds - SMALL_REGION_SECONDS_PER_PAIR * length**2)  # what the small regions took
@@ -233,7 +234,6 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     # overhead, refined starting plans 0.011 and 0.023 (CP-SAT's, given 6 s: 0.011 and 0.025).
     quick = per_solve < MIN_SOLVE_SECONDS
     quick_left = int(seconds / (QUICK_SECONDS_PER_NODE * nodes))  # starting plans paid for, in the loops' order
-    alone = block_graph(graph, block).baseline_peak_bytes
     for share in BALLAST_SHARES:
         ballast = int(share * activation)
         sub = block_graph(graph, block, max(ballast, alone) if share == BALLAST_SHARES[-1] else ballast)
@@ -350,10 +350,10 @@ def ranked_keep_policies(graph: ComputeGraph, block: Block) -> list[tuple[Region
     return list(dict.fromkeys(policies))
 
 
-def small_region_policies(graph: ComputeGraph, block: Block) -> list[tuple[Region, ...]]:
+def small_region_policies(graph: ComputeGraph, block: Block, ballast_bytes: int) -> list[tuple[Region, ...]]:
     """Regions of at most ``SMALL_REGION_NODES`` nodes, without keep-sets: each such region is
-    measured alone on ``block_graph`` with the block's unplanned peak as ballast (so its peak
-    falls by what the block stores less), and, in order of bytes freed per second of recompute,
+    measured alone on ``block_graph`` with ``ballast_bytes``, the block graph's own unplanned
+    peak, as ballast (so its peak falls by what the block stores less), and, in order of bytes freed per second of recompute,
     those not overlapping a better one are taken; the policies are the first 1, 2, ...,
     ``SMALL_REGION_POLICIES`` of them (a region that frees bytes at no cost first). Recomputing
     attention's core alone, the heart of Megatron's selective recompute (Korthikanti et al.
@@ -362,8 +362,7 @@ def small_region_policies(graph: ComputeGraph, block: Block) -> list[tuple[Regio
     of its peak, a block-by-block plan made without flat solves (a short limit) cost 7.5x the one
     recomputing attention alone, and 4.5x under ``auto`` with 15 s."""
     lo = block.start
-    sub = block_graph(graph, block)
-    sub = block_graph(graph, block, sub.baseline_peak_bytes)
+    sub = block_graph(graph, block, ballast_bytes)
     top = sub.baseline_peak_bytes
     scored = []
     for start in range(lo, block.end):

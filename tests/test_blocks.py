@@ -134,7 +134,7 @@ def test_menus_hold_attention_recomputed_alone_whatever_the_limit(gpt) -> None:
     ``small_region_policies`` the block-by-block plan at 70% cost 7.3x (0.3 s) and 5.9x (4 s) this."""
     _, _, graph = gpt
     found, _ = find_blocks(graph)
-    first = blocks.small_region_policies(graph, found[3])[0]
+    first = blocks.small_region_policies(graph, found[3], blocks.block_graph(graph, found[3]).baseline_peak_bytes)[0]
     assert [graph.nodes[found[3].start + r.start].op for r in first] == ["aten.scaled_dot_product_attention.default"]
     attention = tuple(ckptplan.Region(b.start + r.start, b.start + r.end) for b in found for r in first)
     alone = simulate(graph, attention)
