@@ -57,6 +57,10 @@ MIB = 2**20
 # trace it, so it gives the torch.compile head-to-head on a transformers model (GPT-2 and Llama fail).
 DEFAULT_MODELS = ("gpt", "unet", "resnet", "gpt2", "bert")
 CKPTPLAN_SOLVERS = ("sqrt", "dp", "ilp", "auto")
+# A further ckptplan series: auto on a profile priced in FLOPs alone and spelled out (the CLI's
+# `--costs flops --spell-out`), which minimises what FlopCounterMode counts: the plans that test
+# "recomputes no more than any peer" in FLOPs, where the other series minimise step time here.
+FLOPS_SOLVER = "auto-flops"
 # torch/_functorch/config.py (torch 2.13): activation_memory_budget is 1.0 by default (no extra
 # recompute); activation_memory_budget_solver picks the 0-1 knapsack: "dp" (default), "greedy",
 # "ilp" (scipy), plus the memory-saving "dp_knapsack_sliding_hirschberg" variant of dp and the
@@ -450,6 +454,7 @@ class Settings:
     extra_budgets: bool = True  # also 0.8 × the least peer peak and the least sqrt/dp reach
     peer_budgets: int | None = None  # keep only this many of the lowest peer-peak budgets
     spell_out: bool = False  # profile for ckptplan with composite kernels spelled out (the CLI's --spell-out)
+    flops_series: bool = True  # also FLOPS_SOLVER at every budget
 
 
 def _peer_points(case: Case, work: Workload, ref_grads: dict, settings: Settings) -> list[Point]:
@@ -566,17 +571,20 @@ def _low_budget(graph: ckptplan.ComputeGraph, least_peer: int, settings: Setting
 
 def _ckptplan_points(
     graph: ckptplan.ComputeGraph, budgets: list[tuple[int, str]], work: Workload, ref_grads: dict, settings: Settings,
+    series: Sequence[tuple[str, str]] | None = None,
 ) -> list[Point]:
-    """Solve at each budget with each solver, emit and measure; identical plans are measured once."""
+    """Solve at each budget with each of ``series`` ((name, registered solver) pairs; default:
+    ``settings.solvers`` under their own names), emit and measure; identical plans are measured once."""
     points: list[Point] = []
     seen: dict[str, tuple[Metrics, str]] = {}
+    series = series if series is not None else [(name, name) for name in settings.solvers]
     for budget, why in budgets:
-        for solver in settings.solvers:
+        for solver, registered in series:
             setting = f"{solver}, budget {budget / MIB:.1f} MiB ({why})"
             log.info("  ckptplan %s", setting)
-            limit = settings.time_limit if solver in ("ilp", "auto") else None
+            limit = settings.time_limit if registered in ("ilp", "auto") else None
             try:
-                plan = ckptplan.solve(graph, int(budget), solver=solver, time_limit=limit)
+                plan = ckptplan.solve(graph, int(budget), solver=registered, time_limit=limit)
             except ckptplan.InfeasibleBudgetError as exc:
                 points.append(Point("ckptplan", setting, f"ckptplan {solver}", status=(
                     f"infeasible, least {exc.min_peak_bytes / MIB:.1f} MiB (solver's claim)"), budget_bytes=budget,
@@ -588,7 +596,7 @@ def _ckptplan_points(
                                     budget_bytes=budget, solver=solver))
                 continue
             key = repr((plan.regions, plan.remat))
-            note = plan.solver.note.split(":")[0] if solver == "auto" else ""
+            note = plan.solver.note.split(":")[0] if registered == "auto" else ""
             if key in seen:
                 metrics, first = seen[key]
                 note = "; ".join(x for x in (note, f"same plan as {first}") if x)
@@ -641,6 +649,11 @@ def run_model(case: Case, settings: Settings) -> ModelResult:
     if settings.extra_budgets and peer_peaks:
         budgets.append(_low_budget(graph, min(peak for peak, _ in peer_peaks), settings))
     points += _ckptplan_points(graph, budgets, work, ref_grads, settings)
+    if settings.flops_series:
+        log.info("  ckptplan: profiling priced in FLOPs, spelled out")
+        flops_graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=ckptplan.profiler.FLOPS,
+                                       spell_out=True)
+        points += _ckptplan_points(flops_graph, budgets, work, ref_grads, settings, [(FLOPS_SOLVER, "auto")])
 
     self_ratio = time_ratio(copy.deepcopy(work.model), work, settings.repeats)
     result = ModelResult(case, points, reference, self_ratio, len(graph.nodes), time.perf_counter() - started)
@@ -708,8 +721,9 @@ def render_table(result: ModelResult) -> str:
     return "\n".join(lines)
 
 
-def _measured(points: Sequence[Point], prefix: str) -> list[Point]:
-    return [p for p in points if p.metrics is not None and p.group.startswith(prefix)]
+def _measured(points: Sequence[Point], group: str) -> list[Point]:
+    """Measured points of ``group`` or of the groups under it ("ckptplan": every ckptplan series)."""
+    return [p for p in points if p.metrics is not None and (p.group == group or p.group.startswith(group + " "))]
 
 
 def _best_at_or_below(points: Sequence[Point], peak: int, key: Callable[[Metrics], float]) -> Point | None:
@@ -760,6 +774,16 @@ def _describe(point: Point, result: ModelResult) -> str:
     return f"{name} {v['peak_mib']:.1f} MiB, {v['extra_flops_pct']:+.1f}% FLOPs, {v['time_ratio']:.2f}× step time"
 
 
+def _flops_no_more(peers: Sequence[Point], ours: Sequence[Point]) -> int:
+    """How many of ``peers`` have a plan among ``ours`` at or below their measured peak (+1%) that
+    counted no more FLOPs."""
+    return sum(
+        1 for peer in peers
+        if (m := _best_at_or_below(ours, peer.metrics.peak_bytes, lambda x: x.flops)) is not None
+        and m.metrics.flops <= peer.metrics.flops
+    )
+
+
 def _auto_vs_dp(result: ModelResult) -> tuple[int, int]:
     """At budgets where auto's plan differs from dp's: how many, and at how many dp's measured
     faster by more than ``TIME_NOISE`` (auto ranks plans by ckptplan's cost estimate)."""
@@ -801,7 +825,7 @@ def compile_rises(result: ModelResult) -> list[tuple[tuple[float, int], tuple[fl
 def _monotone_sentence(result: ModelResult) -> str | None:
     """Whether each ckptplan solver's measured peak, and torch.compile's, falls with the budget."""
     clean, broken = [], []
-    for solver in CKPTPLAN_SOLVERS:
+    for solver in (*CKPTPLAN_SOLVERS, FLOPS_SOLVER):
         found = ckptplan_rises(result, solver)
         if found is None:
             continue
@@ -850,18 +874,17 @@ def summarize(result: ModelResult) -> list[str]:
             f"({best_peer.setting}) {best_peer.metrics.peak_bytes / MIB:.1f} MiB "
             f"({pct(best_peer.metrics.peak_bytes):.0f}%)."
         )
-        fewer_flops = sum(
-            1 for peer in peers
-            if (m := _best_at_or_below(default, peer.metrics.peak_bytes, lambda x: x.flops)) is not None
-            and m.metrics.flops <= peer.metrics.flops
-        )
         sentence = (
             f"At or below each of the {len(peers)} distinct peer runs' measured peaks (+1%), ckptplan {label}'s "
             f"fastest plan was {_tally_text(_tally(peers, default))} (ties: step-time ratios within ±{TIME_NOISE:g})"
         )
         if default is not ours:
             sentence += f"; taking the best of all its solvers, {_tally_text(_tally(peers, ours))}"
-        out.append(sentence + f"; {label} recomputed no more matmul FLOPs than {fewer_flops} of them.")
+        sentence += f"; {label} recomputed no more matmul FLOPs than {_flops_no_more(peers, default)} of them"
+        priced = _measured(result.points, f"ckptplan {FLOPS_SOLVER}")
+        if priced:
+            sentence += f", {FLOPS_SOLVER} than {_flops_no_more(peers, priced)}"
+        out.append(sentence + ".")
     compile_points = _distinct(_measured(result.points, "torch.compile"))
     if compile_points:
         target = min(compile_points, key=lambda p: p.metrics.peak_bytes)
@@ -893,7 +916,7 @@ def summarize(result: ModelResult) -> list[str]:
             f"at {dp_faster} of the {differ} budgets where they differ."
         )
     predicted = [p for p in ours if p.predicted_time_ratio is not None and (p.regions or p.remat)
-                 and "same plan as" not in p.note]
+                 and "same plan as" not in p.note and p.solver != FLOPS_SOLVER]  # that one predicts FLOPs
     if predicted:
         errors = sorted(p.metrics.time_ratio - p.predicted_time_ratio for p in predicted)
         out.append(
@@ -958,6 +981,17 @@ def overall_summary(results: Sequence[ModelResult]) -> str:
             f"no-checkpoint peak vs {100 * statistics.median(b for _, b in lowest):.0f}% for torch.compile "
             f"(median over those models)"
         )
+    peers = [(r, [p for p in _distinct(r.points[1:]) if not p.group.startswith("ckptplan")]) for r in results]
+    flops = {
+        name: sum(_flops_no_more(ps, _measured(r.points, f"ckptplan {name}")) for r, ps in peers)
+        for name in ("auto", FLOPS_SOLVER)
+    }
+    if any(_measured(r.points, f"ckptplan {FLOPS_SOLVER}") for r in results):
+        text += (
+            f"; at or below each of the {sum(len(ps) for _, ps in peers)} distinct peer runs' measured peaks (+1%) on "
+            f"all models, auto had a plan recomputing no more matmul FLOPs for {flops['auto']}, "
+            f"{FLOPS_SOLVER} (priced in FLOPs) for {flops[FLOPS_SOLVER]}"
+        )
     auto = [r for r in (ckptplan_rises(result, "auto") for result in results) if r is not None]
     knob = [r for r in (compile_rises(result) for result in results) if r is not None]
     if auto:
@@ -1016,8 +1050,12 @@ def _method_paragraphs(settings: Settings, seconds: float, threads: int) -> list
         "since that is where the plans run. `auto` also considers rematerialising cheap ops outside regions "
         "(`ckptplan.remat`: layer norms, GELUs, recomputed in the backward of the op that saved their output, as the "
         "min-cut partitioner's flat backward graph does), its default; rows say how many it rematerialises"
-        + ("; and it profiles as `--spell-out` does (`spell_out=True`). Each" if settings.spell_out else ". Each")
-        + " ckptplan row gives the plan's predicted peak and predicted step-time "
+        + ("; and it profiles as `--spell-out` does (`spell_out=True`)." if settings.spell_out else ".")
+        + (f" `{FLOPS_SOLVER}` is `auto` on a second profile, priced in FLOPs alone and spelled out (the CLI's "
+           "`--costs flops --spell-out`: `roofline=ckptplan.profiler.FLOPS, spell_out=True`), so it minimises what "
+           "`FlopCounterMode` counts instead of time here; its predicted step-time ratio is 1 + recompute FLOPs "
+           "over the step's." if settings.flops_series else "")
+        + " Each ckptplan row gives the plan's predicted peak and predicted step-time "
         "ratio (1 + `Plan.prediction.overhead`), to read against the measured ones."
     )
     machine = (
@@ -1087,6 +1125,7 @@ SOLVER_STYLE = {  # ckptplan solver: (colour, marker, size); sizes differ so tha
     "ckptplan dp": ("tab:green", "o", 48),
     "ckptplan ilp": ("tab:blue", "o", 28),
     "ckptplan auto": ("tab:purple", "x", 40),
+    f"ckptplan {FLOPS_SOLVER}": ("tab:cyan", "+", 60),
 }
 
 

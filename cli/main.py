@@ -117,13 +117,14 @@ AutocastOpt = Annotated[
 class Costs(str, Enum):
     a100 = "a100"
     here = "here"
+    flops = "flops"
 
 
 CostsOpt = Annotated[
     Costs,
     typer.Option(
         "--costs", case_sensitive=False,
-        help="What prices recomputation: an A100's datasheet (roofline), or this machine (op times measured on the model's real tensors, and the fixed costs of checkpoint regions; a few seconds more).",
+        help="What prices recomputation: an A100's datasheet (roofline); this machine (op times measured on the model's real tensors, and the fixed costs of checkpoint regions; a few seconds more); or FLOPs alone, as FlopCounterMode counts them (matmul-like ops; the rest nearly free).",
     ),
 ]
 SpellOutOpt = Annotated[
@@ -383,7 +384,7 @@ def _profile(
     ``TRAINING`` defaults, which the loader has checked) describe its training step."""
     import torch  # here, not at the top: `show` and `schema` never need torch
 
-    from ckptplan.profiler.cost import A100
+    from ckptplan.profiler.cost import A100, FLOPS
     from ckptplan.profiler.trace import model_device_type
 
     optimizer_name = optimizer.value if optimizer is not None else loaded.training.get("optimizer")
@@ -393,7 +394,7 @@ def _profile(
     shard = None
     if shard_degree is not None:
         shard = ShardSpec(shard_degree, stage=zero_stage, master_dtype=master_dtype if zero_stage == 3 else None)
-    roofline = A100
+    roofline = FLOPS if costs == Costs.flops else A100
     if costs == Costs.here:
         device = model_device_type(loaded.model, [])
         if device == "meta":

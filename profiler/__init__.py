@@ -21,7 +21,7 @@ from torch import nn
 from ckptplan.errors import CkptPlanError
 from ckptplan.graph import ComputeGraph, Node, TensorSpec
 from ckptplan.profiler.composite import spell_out_composites
-from ckptplan.profiler.cost import A100, Roofline
+from ckptplan.profiler.cost import A100, FLOPS, Roofline
 from ckptplan.profiler.loss import loss_leaves, training_loss
 from ckptplan.profiler.record import record_graph
 from ckptplan.profiler.shard import shard_layout
@@ -32,7 +32,7 @@ from ckptplan.sharding import ShardSpec, shard_graph
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Roofline", "loss_leaves", "profile", "training_loss"]
+__all__ = ["A100", "FLOPS", "Roofline", "loss_leaves", "profile", "training_loss"]
 
 
 def profile(
@@ -74,7 +74,8 @@ def profile(
     the model's tensors are faked on.
     ``roofline``: the cost model that prices recomputation (default: an A100's datasheet;
     ``ckptplan.measure_roofline()`` measures this machine's, with the fixed costs of regions
-    and selective policies). ``measure_times``: also run the model's forward a few times on its
+    and selective policies; ``ckptplan.profiler.FLOPS`` prices ops by their FLOPs alone, as
+    ``FlopCounterMode`` counts them). ``measure_times``: also run the model's forward a few times on its
     real tensors and price each op by its measured time (each op's backward by the roofline's
     backward-to-forward ratio, all of them scaled to the measured backward): for plans that
     will run on the machine profiling them.

@@ -21,6 +21,11 @@ shows it in torch 2.13)::
 
     q · √scale, (kᵀ) · √scale  ->  matmul  ->  + mask bias  ->  _safe_softmax  ->  dropout  ->  matmul v
 
+``matmul`` copies a strided operand into a contiguous batch for ``bmm``, which saves that copy.
+Here the copies are nodes of their own (``contiguous``: the same copy, the same values), so a
+plan can keep a matmul's product, as a selective policy saving ``bmm`` outputs does, and
+recompute the copies instead of caching them with it.
+
 Dropout
 -------
 On CPU, ``at::native::dropout`` (training, 0 < p < 1) computes
@@ -262,13 +267,15 @@ def _spell_out(graph: torch.fx.Graph, node: torch.fx.Node, call: dict[str, Any])
     with graph.inserting_before(node):
         scaled_query = add("query", _aten.mul.Scalar, query, root)
         key_t = add("key_t", _aten.transpose.int, key, -2, -1)
-        scores = add("scores", _aten.matmul.default, scaled_query, add("key", _aten.mul.Scalar, key_t, root))
+        scaled_key = add("key", _aten.mul.Scalar, key_t, root)
+        scores = add("scores", _aten.matmul.default, add("query_c", _aten.contiguous.default, scaled_query),
+                     add("key_c", _aten.contiguous.default, scaled_key))
         if is_causal or attn_mask is not None:
             bias = add("bias", attention_bias, query, key, attn_mask, is_causal)
             scores = add("masked", _aten.add.Tensor, scores, bias)
         weights = add("softmax", _aten._safe_softmax.default, scores, -1)
         if dropout_p > 0.0:
             weights = add("dropout", _aten.dropout.default, weights, dropout_p, True)
-        out = add("out", _aten.matmul.default, weights, value)
+        out = add("out", _aten.matmul.default, weights, add("value_c", _aten.contiguous.default, value))
     node.replace_all_uses_with(out)
     graph.erase_node(node)

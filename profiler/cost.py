@@ -48,3 +48,11 @@ class Roofline:
 
 
 A100 = Roofline()
+
+# Recomputation priced in FLOPs as ``torch.utils.flop_counter.FlopCounterMode`` counts them
+# (matmul-like ops only), one cost-second per 10¹² FLOPs: a plan's cost is then its recompute
+# FLOPs, and its overhead those FLOPs over the step's. A byte moved costs a thousandth of a
+# FLOP: among plans recomputing as many FLOPs the one moving fewer bytes wins, and bytes
+# outweigh a matmul only where the ops weighed against it move a thousand times more bytes than
+# it does FLOPs. No fixed costs.
+FLOPS = Roofline(peak_flops_per_s=1e12, bandwidth_bytes_per_s=1e15)

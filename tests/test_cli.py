@@ -16,7 +16,9 @@ import pytest
 
 # Import torch here, not first inside a CliRunner run: torch's log handlers keep the sys.stderr
 # of their import, and the runner closes its stream after each run.
-import torch  # noqa: F401
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner, Result
 
 import ckptplan
@@ -457,6 +459,21 @@ def test_costs_here_times_the_model_and_refuses_a_meta_one(workdir: Path, tiny: 
     model = write(workdir, "gpt3_small.py", GPT3_SMALL.format(example=str(EXAMPLES / "gpt3_175b.py")))
     result = invoke("solve", model, "--budget", "0.95", "--costs", "here")
     assert result.exit_code == 1 and "meta device" in result.output
+
+
+def test_costs_flops_prices_a_plan_by_the_flops_it_recomputes(tiny: Path) -> None:
+    """``--costs flops``: the overhead is recompute FLOPs over the step's FlopCounterMode count
+    (bytes moved break ties at a thousandth of a FLOP each, hence the tolerance)."""
+    result = invoke("solve", tiny, "--budget", "0.8", "--solver", "dp", "--costs", "flops", "--json")
+    assert result.exit_code == 0, result.output
+    prediction = json.loads(result.stdout)["prediction"]
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(16, 16), nn.ReLU())])
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(torch.randn(256, 16)).sum().backward()
+    assert prediction["recompute_flops"] > 0
+    assert prediction["overhead"] == pytest.approx(prediction["recompute_flops"] / counter.get_total_flops(), rel=0.01)
 
 
 def test_zero_stage_needs_values_it_knows(tiny: Path) -> None:

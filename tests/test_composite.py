@@ -98,6 +98,29 @@ def test_plans_keep_the_softmax_or_recompute_the_dropout_product_within_their_pr
         assert abs(result.prediction_error) <= 0.03
 
 
+def test_keeping_an_attention_matmul_caches_its_output_alone() -> None:
+    """The contiguous copies of query, key and value the kernel's matmuls make (and save) are
+    nodes of their own, so a region can keep the scores and the output, as a selective policy
+    saving ``bmm`` outputs does, and recompute the copies: caching them too would hold more."""
+    torch.manual_seed(0)
+    model = Attention("causal", width=64)
+    args = _inputs(seq=64, width=64)
+    graph = ckptplan.profile(model, args, spell_out=True)
+    at = graph.index_of
+    for name in ("attn_scores", "attn_out", "attn_scores_1", "attn_out_1"):
+        assert [s.kind for s in graph.storages if s.producer == at[name]] == ["activation"], name
+    outputs = ("attn_scores", "attn_out")
+    with_copies = ("attn_query_c", "attn_key_c", "attn_scores", "attn_value_c", "attn_out")
+    peaks = []
+    for keep in (outputs, with_copies):
+        plan = ckptplan.make_plan(graph, [ckptplan.Region(at["attn_query"], at["attn_out"] + 1, keep=keep)])
+        result = ckptplan.verify(model, args, plan, steps=1)
+        assert result.gradients_equal and result.max_grad_error == 0.0
+        assert abs(result.prediction_error) <= 0.03
+        peaks.append(plan.prediction.peak_bytes)
+    assert peaks[0] < peaks[1]
+
+
 def test_what_stays_whole() -> None:
     torch.manual_seed(0)
     args = _inputs()

@@ -1,0 +1,74 @@
+"""Plans priced in FLOPs (``ckptplan.profiler.FLOPS``, the CLI's ``--costs flops``): what
+``FlopCounterMode`` counts is what they minimise, and a plan's predicted recompute FLOPs is what
+that counter measures on the emitted module."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import ckptplan
+from ckptplan.profiler.loss import training_loss
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _tiny_gpt() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    spec = importlib.util.spec_from_file_location("flops_gpt_example", EXAMPLES / "gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model = module.GPT(n_layer=2, block_size=64)
+    return model, (torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64)))
+
+
+def _step_flops(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> int:
+    counter = FlopCounterMode(display=False)
+    torch.manual_seed(0)
+    with counter:
+        training_loss(module(*args)).backward()
+    return counter.get_total_flops()
+
+
+def test_an_op_costs_its_flops_and_a_thousandth_of_a_flop_per_byte() -> None:
+    model, args = _tiny_gpt()
+    graph = ckptplan.profile(model, args, roofline=ckptplan.profiler.FLOPS)
+    for node in graph.nodes:
+        assert node.fwd_cost == pytest.approx(max(node.fwd_flops, node.bytes_moved / 1000) / 1e12)
+    assert graph.region_cost == graph.region_op_cost == graph.policy_op_cost == graph.remat_cost == 0.0
+
+
+def test_priced_in_flops_the_solver_matches_the_selective_policy_without_recomputing_a_matmul() -> None:
+    """At the peak of a region around each block keeping every matmul-like output (torchtitan's
+    selective policy), a FLOPs-priced ``ilp`` plan recomputes no matmul: FlopCounterMode counts
+    the step's FLOPs unchanged, as the prediction says. Time-priced, the same solve recomputes some."""
+    model, args = _tiny_gpt()
+    graph = ckptplan.profile(model, args, roofline=ckptplan.profiler.FLOPS, spell_out=True)
+    blocks: dict[str, list[int]] = {}
+    for node in graph.nodes:
+        if (found := re.match(r"blocks\.\d+", node.module)) is not None:
+            blocks.setdefault(found.group(), []).append(node.index)
+    selective = ckptplan.make_plan(graph, [
+        ckptplan.Region(nodes[0], nodes[-1] + 1, keep=tuple(
+            graph.nodes[i].name for i in nodes if graph.nodes[i].fwd_flops > 0 and not graph.nodes[i].random))
+        for nodes in blocks.values()
+    ])
+    assert selective.prediction.recompute_flops == 0
+    budget = selective.prediction.peak_bytes
+    assert budget < ckptplan.make_plan(graph, []).prediction.peak_bytes
+
+    plan = ckptplan.solve(graph, budget, solver="ilp", time_limit=10)
+    assert plan.regions and plan.prediction.peak_bytes <= budget
+    assert plan.prediction.recompute_flops == 0
+    module = ckptplan.emit(graph, plan)
+    assert _step_flops(module, args) == _step_flops(model, args)
+    result = ckptplan.verify(model, args, plan, steps=1)
+    assert result.gradients_equal and abs(result.prediction_error) <= 0.03
+
+    timed = ckptplan.profile(model, args, spell_out=True)  # A100 prices: pointwise ops cost time too
+    assert ckptplan.solve(timed, budget, solver="ilp", time_limit=10).prediction.recompute_flops > 0
