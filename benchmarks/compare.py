@@ -242,6 +242,7 @@ class Point:
     budget_bytes: int | None = None
     predicted_bytes: int | None = None
     predicted_time_ratio: float | None = None  # ckptplan's: 1 + the plan's predicted overhead
+    predicted_flops_pct: float | None = None  # FLOPs-priced ckptplan's: predicted recompute FLOPs, % of the step's
     solver: str | None = None
     knob: float | None = None  # torch.compile's activation_memory_budget
     regions: int | None = None  # top-level regions of a ckptplan plan; 0 and no remat: the empty plan
@@ -571,10 +572,12 @@ def _low_budget(graph: ckptplan.ComputeGraph, least_peer: int, settings: Setting
 
 def _ckptplan_points(
     graph: ckptplan.ComputeGraph, budgets: list[tuple[int, str]], work: Workload, ref_grads: dict, settings: Settings,
-    series: Sequence[tuple[str, str]] | None = None,
+    series: Sequence[tuple[str, str]] | None = None, *, flops_priced: bool = False,
 ) -> list[Point]:
     """Solve at each budget with each of ``series`` ((name, registered solver) pairs; default:
-    ``settings.solvers`` under their own names), emit and measure; identical plans are measured once."""
+    ``settings.solvers`` under their own names), emit and measure; identical plans are measured once.
+    ``flops_priced``: ``graph`` is priced in FLOPs, so its plans predict FLOPs, not step time."""
+    step_flops = sum(n.fwd_flops + n.bwd_flops for n in graph.nodes)
     points: list[Point] = []
     seen: dict[str, tuple[Metrics, str]] = {}
     series = series if series is not None else [(name, name) for name in settings.solvers]
@@ -616,7 +619,9 @@ def _ckptplan_points(
                 note = "; ".join(x for x in ("empty plan: no checkpointing", note) if x)
             points.append(Point("ckptplan", setting, f"ckptplan {solver}", metrics, budget_bytes=budget,
                                 predicted_bytes=plan.prediction.peak_bytes,
-                                predicted_time_ratio=1 + plan.prediction.overhead, solver=solver,
+                                predicted_time_ratio=None if flops_priced else 1 + plan.prediction.overhead,
+                                predicted_flops_pct=(100 * plan.prediction.recompute_flops / step_flops
+                                                     if flops_priced and step_flops else None), solver=solver,
                                 regions=len(plan.regions), remat=len(plan.remat), note=note))
     return points
 
@@ -653,7 +658,8 @@ def run_model(case: Case, settings: Settings) -> ModelResult:
         log.info("  ckptplan: profiling priced in FLOPs, spelled out")
         flops_graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=ckptplan.profiler.FLOPS,
                                        spell_out=True)
-        points += _ckptplan_points(flops_graph, budgets, work, ref_grads, settings, [(FLOPS_SOLVER, "auto")])
+        points += _ckptplan_points(flops_graph, budgets, work, ref_grads, settings, [(FLOPS_SOLVER, "auto")],
+                                   flops_priced=True)
 
     self_ratio = time_ratio(copy.deepcopy(work.model), work, settings.repeats)
     result = ModelResult(case, points, reference, self_ratio, len(graph.nodes), time.perf_counter() - started)
@@ -709,6 +715,8 @@ def render_table(result: ModelResult) -> str:
             setting += f"; predicted {point.predicted_bytes / MIB:.1f} MiB"
         if point.predicted_time_ratio is not None:
             setting += f", {point.predicted_time_ratio:.2f}× step time"
+        if point.predicted_flops_pct is not None:
+            setting += f", {point.predicted_flops_pct:+.1f}% FLOPs"
         if point.note:
             setting += f"; {point.note}"
         if v["peak_mib"] is None:
@@ -916,7 +924,7 @@ def summarize(result: ModelResult) -> list[str]:
             f"at {dp_faster} of the {differ} budgets where they differ."
         )
     predicted = [p for p in ours if p.predicted_time_ratio is not None and (p.regions or p.remat)
-                 and "same plan as" not in p.note and p.solver != FLOPS_SOLVER]  # that one predicts FLOPs
+                 and "same plan as" not in p.note]
     if predicted:
         errors = sorted(p.metrics.time_ratio - p.predicted_time_ratio for p in predicted)
         out.append(
@@ -1053,10 +1061,10 @@ def _method_paragraphs(settings: Settings, seconds: float, threads: int) -> list
         + ("; and it profiles as `--spell-out` does (`spell_out=True`)." if settings.spell_out else ".")
         + (f" `{FLOPS_SOLVER}` is `auto` on a second profile, priced in FLOPs alone and spelled out (the CLI's "
            "`--costs flops --spell-out`: `roofline=ckptplan.profiler.FLOPS, spell_out=True`), so it minimises what "
-           "`FlopCounterMode` counts instead of time here; its predicted step-time ratio is 1 + recompute FLOPs "
-           "over the step's." if settings.flops_series else "")
+           "`FlopCounterMode` counts instead of time here." if settings.flops_series else "")
         + " Each ckptplan row gives the plan's predicted peak and predicted step-time "
-        "ratio (1 + `Plan.prediction.overhead`), to read against the measured ones."
+        "ratio (1 + `Plan.prediction.overhead`), or for `auto-flops` its predicted recompute FLOPs as a share of "
+        "the step's, to read against the measured ones."
     )
     machine = (
         f"Machine: {machine_line(threads)}. Full run: {seconds / 60:.1f} min. `ilp`/`auto` time limit "

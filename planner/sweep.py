@@ -75,7 +75,7 @@ def plot_pareto(points: Sequence[SweepPoint], path: str | Path, title: str) -> P
     axes.plot([100 * p.overhead for p in solved], [p.peak_bytes / 2**20 for p in solved], marker="o")
     for p in solved:
         axes.annotate(p.requested, (100 * p.overhead, p.peak_bytes / 2**20), textcoords="offset points", xytext=(4, 4))
-    axes.set_xlabel("recompute overhead (% of a step, roofline estimate)")
+    axes.set_xlabel("recompute overhead (% of a step, as the profile prices ops)")
     axes.set_ylabel("predicted peak (MiB)")
     axes.set_title(title)
     axes.grid(True, alpha=0.3)

@@ -88,12 +88,17 @@ def _reference_row(quick: tuple[Any, str, list[str]]) -> None:
     assert report.results[0].points[0].metrics.time_ratio == 1.0
 
 
-def _every_method_is_present_and_sane(quick: tuple[Any, str, list[str]]) -> None:
+def _every_method_is_present_and_sane(compare: ModuleType, quick: tuple[Any, str, list[str]]) -> None:
     report, _, _ = quick
     (result,) = report.results
     groups = {p.group for p in result.points}
     assert {"no checkpoint", "every block", "every nth block", "selective ops", "torch.compile"} <= groups
-    assert {"ckptplan sqrt", "ckptplan dp", "ckptplan ilp"} <= groups
+    assert {"ckptplan sqrt", "ckptplan dp", "ckptplan ilp", f"ckptplan {compare.FLOPS_SOLVER}"} <= groups
+    for point in result.points:  # the FLOPs-priced series predicts FLOPs, the others step time
+        if point.group.startswith("ckptplan") and point.metrics is not None:
+            flops_priced = point.solver == compare.FLOPS_SOLVER
+            assert (point.predicted_flops_pct is not None) == flops_priced
+            assert (point.predicted_time_ratio is None) == flops_priced
     reference = result.reference
     for point in result.points:
         if point.metrics is None:
@@ -125,7 +130,7 @@ def test_quick_run(compare: ModuleType, quick: tuple[Any, str, list[str]], tmp_p
     them over its workers, and each worker would make the run again."""
     _section_structure(compare, quick)
     _reference_row(quick)
-    _every_method_is_present_and_sane(quick)
+    _every_method_is_present_and_sane(compare, quick)
     _ckptplan_points_fit_their_budgets(compare, quick)
     _plot_writes_a_png(compare, quick, tmp_path)
 
