@@ -3,7 +3,7 @@ block (HF ``gradient_checkpointing_enable``), every N-th block, a torchtitan-sty
 policy, ``torch.compile``'s min-cut partitioner under ``activation_memory_budget``, and ckptplan's
 solvers at budgets set to those peers' measured peaks.
 
-    python benchmarks/compare.py [--models gpt,unet,resnet,gpt2,bert] [--quick] [--time-limit 6] [--spell-out] [--no-write]
+    python benchmarks/compare.py [--models gpt,unet,resnet,gpt2,bert] [--quick] [--time-limit 6] [--spell-out] [--no-flops] [--no-write]
 
 Every point is one real CPU training step measured with PyTorch's ``MemTracker``
 (``ckptplan.measure_step``), FLOPs counted with ``FlopCounterMode`` over forward+backward, the
@@ -931,6 +931,14 @@ def summarize(result: ModelResult) -> list[str]:
             f"Step time, measured minus predicted ratio, over ckptplan's {len(errors)} distinct plans that recompute: "
             f"median {statistics.median(errors):+.2f}, from {errors[0]:+.2f} to {errors[-1]:+.2f}."
         )
+    priced = [p for p in ours if p.predicted_flops_pct is not None and (p.regions or p.remat)
+              and "same plan as" not in p.note]
+    if priced:
+        errors = sorted(row_values(p, result)["extra_flops_pct"] - p.predicted_flops_pct for p in priced)
+        out.append(
+            f"Extra FLOPs, measured minus predicted, over {FLOPS_SOLVER}'s {len(errors)} distinct plans that "
+            f"recompute: from {errors[0]:+.1f} to {errors[-1]:+.1f} percentage points."
+        )
     bad = sorted({p.group for p in result.points if p.metrics is not None and p.metrics.grads != "yes"
                   and not p.group.startswith("torch.compile")})
     if bad:
@@ -1063,8 +1071,8 @@ def _method_paragraphs(settings: Settings, seconds: float, threads: int) -> list
            "`--costs flops --spell-out`: `roofline=ckptplan.profiler.FLOPS, spell_out=True`), so it minimises what "
            "`FlopCounterMode` counts instead of time here." if settings.flops_series else "")
         + " Each ckptplan row gives the plan's predicted peak and predicted step-time "
-        "ratio (1 + `Plan.prediction.overhead`), or for `auto-flops` its predicted recompute FLOPs as a share of "
-        "the step's, to read against the measured ones."
+        f"ratio (1 + `Plan.prediction.overhead`), or for `{FLOPS_SOLVER}` its predicted recompute FLOPs as a share "
+        "of the step's, to read against the measured ones."
     )
     machine = (
         f"Machine: {machine_line(threads)}. Full run: {seconds / 60:.1f} min. `ilp`/`auto` time limit "
@@ -1079,11 +1087,11 @@ def _method_paragraphs(settings: Settings, seconds: float, threads: int) -> list
         "too. Step time ratio: the median, over interleaved pairs, of a step's time over the no-checkpoint step "
         "timed right after it (one torch thread; the machine's other core runs other work). As a noise gauge, a copy of the "
         'no-checkpoint model is timed the same way ("own copy" under each heading); differences within '
-        f"±{TIME_NOISE:g} count as ties. That gauge sees only noise within a run: between two runs of this script "
-        "on the same day (timed then as a ratio of two medians), the ratio of the same point moved by up to about 0.1 (the other core's load changes how "
-        "much memory-bound ops slow down). Gradients equal: `torch.testing.assert_close` against the "
+        f"±{TIME_NOISE:g} count as ties. That gauge sees only noise within a run: between two runs of this script, "
+        "the ratio of the same point moved by up to about 0.2 (the other core's load changes how much "
+        "memory-bound ops slow down). Gradients equal: `torch.testing.assert_close` against the "
         "no-checkpoint run, seeded identically before every step. Summaries compare `auto`, ckptplan's default "
-        "solver, and also the best of its four solvers picked after measuring."
+        f"solver, and also the best of all its series (the four solvers and `{FLOPS_SOLVER}`) picked after measuring."
     )
     failures = (
         'torch.compile "failed" rows are errors raised by AOTAutograd while tracing or running the partitioned '
@@ -1242,6 +1250,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--spell-out", action="store_true",
                         help="profile for ckptplan as --spell-out does: CPU dropout as a one-byte mask and its "
                              "product, math-kernel attention as its ops (off by default: see RESULTS.md)")
+    parser.add_argument("--no-flops", action="store_true",
+                        help=f"skip the {FLOPS_SOLVER} series (auto on a profile priced in FLOPs, spelled out)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: on this shared 2-core machine two OpenMP threads "
                              "made a GPT step 20x slower and the timings erratic)")
@@ -1264,6 +1274,7 @@ def settings_for(options: argparse.Namespace) -> tuple[list[str], Settings]:
     if options.repeats is not None:
         settings.repeats = max(1, options.repeats)
     settings.spell_out = options.spell_out
+    settings.flops_series = not options.no_flops
     return models, settings
 
 

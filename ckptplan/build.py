@@ -58,6 +58,7 @@ def make_plan(
         recompute_seconds=report.recompute_seconds,
         checkpoint_seconds=report.checkpoint_seconds,
         overhead=report.cost_seconds / step_cost if step_cost > 0 else 0.0,
+        priced_in=graph.priced_in,
         timeline=timeline_of(report.timeline),
     )
     return Plan(

@@ -166,6 +166,8 @@ class ComputeGraph:
     region_op_cost: float = 0.0
     policy_op_cost: float = 0.0
     remat_cost: float = 0.0
+    # What the costs count (``Roofline.priced_in``): "seconds", or "flops" (10¹² per cost-second).
+    priced_in: str = "seconds"
     # The dtype name ("bfloat16", "float16") when the step's forward runs under torch.autocast:
     # the graph's bytes are then those of that step, and the fingerprint tells it apart.
     autocast: str | None = None

@@ -121,6 +121,8 @@ class Prediction(_Frozen):
     """What ``planner.simulate`` says of the plan. ``checkpoint_seconds``: what the regions'
     machinery adds besides recomputation (0 under the default A100 cost model, and in plans
     written before it existed); ``overhead`` = (recompute + checkpoint seconds) / step cost.
+    ``priced_in``: what those costs count (``Roofline.priced_in``): ``"seconds"``, or ``"flops"``
+    for a graph priced in FLOPs (``--costs flops``), whose overhead is a share of the step's FLOPs.
 
     ``timeline``: the step's live bytes, downsampled (``ckptplan.timeline``); plans written
     before it existed have none."""
@@ -132,6 +134,7 @@ class Prediction(_Frozen):
     recompute_seconds: float = Field(ge=0.0)
     checkpoint_seconds: float = Field(default=0.0, ge=0.0)
     overhead: float = Field(ge=0.0)
+    priced_in: Literal["seconds", "flops"] = "seconds"
     timeline: Timeline | None = None
 
     @property

@@ -47,7 +47,8 @@ def render_plan(console: Console, plan: Plan) -> None:
         rows.append(("", solver.note))
     rows.append(("peak", _peak_line(prediction.peak_bytes, prediction.baseline_peak_bytes)))
     rows.append(
-        ("recompute", f"{format_flops(prediction.recompute_flops)}, overhead {prediction.overhead:.1%} of a step")
+        ("recompute", f"{format_flops(prediction.recompute_flops)}, overhead {prediction.overhead:.1%} of "
+                      + ("the step's FLOPs" if prediction.priced_in == "flops" else "a step"))
     )
     timeline = prediction.timeline
     if timeline is not None and timeline.bytes:

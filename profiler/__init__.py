@@ -120,6 +120,7 @@ def profile(
         region_op_cost=roofline.region_op_seconds,
         policy_op_cost=roofline.policy_op_seconds,
         remat_cost=roofline.remat_seconds,
+        priced_in=roofline.priced_in,
         inputs=tuple(
             TensorSpec(shape=tuple(x.shape), dtype=str(x.dtype).removeprefix("torch."))
             for x in traced.flat_inputs

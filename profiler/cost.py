@@ -8,6 +8,7 @@ An op's time is ``op_seconds + max(flops / peak_flops, bytes_moved / bandwidth)`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Roofline:
     op that saves its output) adds besides the op's own time: recording how to recompute it in
     forward, and the saved-tensor hooks (Python) that pack what the saving op stores in forward
     and unpack it in backward.
+    ``priced_in``: what a cost-second stands for, ``"seconds"`` or ``"flops"`` (``FLOPS``: 10¹²
+    FLOPs), so that a plan's overhead can say whether it is a share of the step's time or FLOPs.
     """
 
     peak_flops_per_s: float = 312e12
@@ -42,6 +45,7 @@ class Roofline:
     region_op_seconds: float = 0.0
     policy_op_seconds: float = 0.0
     remat_seconds: float = 0.0
+    priced_in: Literal["seconds", "flops"] = "seconds"
 
     def seconds(self, flops: float, bytes_moved: float) -> float:
         return self.op_seconds + max(flops / self.peak_flops_per_s, bytes_moved / self.bandwidth_bytes_per_s)
@@ -55,4 +59,4 @@ A100 = Roofline()
 # FLOP: among plans recomputing as many FLOPs the one moving fewer bytes wins, and bytes
 # outweigh a matmul only where the ops weighed against it move a thousand times more bytes than
 # it does FLOPs. No fixed costs.
-FLOPS = Roofline(peak_flops_per_s=1e12, bandwidth_bytes_per_s=1e15)
+FLOPS = Roofline(peak_flops_per_s=1e12, bandwidth_bytes_per_s=1e15, priced_in="flops")

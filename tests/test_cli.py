@@ -16,8 +16,7 @@ import pytest
 
 # Import torch here, not first inside a CliRunner run: torch's log handlers keep the sys.stderr
 # of their import, and the runner closes its stream after each run.
-import torch
-from torch import nn
+import torch  # noqa: F401
 from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner, Result
 
@@ -467,13 +466,13 @@ def test_costs_flops_prices_a_plan_by_the_flops_it_recomputes(tiny: Path) -> Non
     result = invoke("solve", tiny, "--budget", "0.8", "--solver", "dp", "--costs", "flops", "--json")
     assert result.exit_code == 0, result.output
     prediction = json.loads(result.stdout)["prediction"]
-    torch.manual_seed(0)
-    model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(16, 16), nn.ReLU())])
     counter = FlopCounterMode(display=False)
-    with counter:
-        model(torch.randn(256, 16)).sum().backward()
-    assert prediction["recompute_flops"] > 0
+    with load_model(str(tiny)) as loaded, counter:
+        loaded.model(*loaded.args).sum().backward()
+    assert prediction["recompute_flops"] > 0 and prediction["priced_in"] == "flops"
     assert prediction["overhead"] == pytest.approx(prediction["recompute_flops"] / counter.get_total_flops(), rel=0.01)
+    shown = invoke("solve", tiny, "--budget", "0.8", "--solver", "dp", "--costs", "flops")
+    assert shown.exit_code == 0 and "of the step's FLOPs" in shown.output
 
 
 def test_zero_stage_needs_values_it_knows(tiny: Path) -> None:

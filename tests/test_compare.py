@@ -174,6 +174,9 @@ def test_rises_finds_where_a_lower_budget_measured_a_higher_peak(compare: Module
         point("ckptplan auto", 14.9, budget_bytes=int(14.9 * mib), solver="auto"),
         point("ckptplan dp", 23.1, budget_bytes=int(23.1 * mib), solver="dp"),
         point("ckptplan dp", 23.9, budget_bytes=int(22.0 * mib), solver="dp"),
+        # a series whose name starts like auto's: a rise of its own, none of auto's
+        point(f"ckptplan {compare.FLOPS_SOLVER}", 20.0, budget_bytes=int(20.0 * mib), solver=compare.FLOPS_SOLVER),
+        point(f"ckptplan {compare.FLOPS_SOLVER}", 21.0, budget_bytes=int(19.0 * mib), solver=compare.FLOPS_SOLVER),
     ])
     assert compare.compile_rises(result) == [((0.5, int(24.4 * mib)), (0.2, int(28.7 * mib)))]
     assert compare.ckptplan_rises(result, "auto") == []
@@ -183,3 +186,22 @@ def test_rises_finds_where_a_lower_budget_measured_a_higher_peak(compare: Module
     assert "falls with the budget for ckptplan auto" in sentence
     assert "rises as the budget falls for ckptplan dp" in sentence
     assert "rises as torch.compile's knob falls (0.5: 24.4 MiB, 0.2: 28.7 MiB)" in sentence
+    assert len(compare.ckptplan_rises(result, compare.FLOPS_SOLVER)) == 1
+    assert f"; {compare.FLOPS_SOLVER} (budget 20.0 MiB measured 20.0 MiB, 19.0 MiB measured 21.0 MiB)" in sentence
+
+
+def test_flops_are_counted_against_each_peer_from_plans_at_or_below_its_peak(compare: ModuleType) -> None:
+    def point(group: str, peak_mib: float, flops: int) -> Any:
+        metrics = compare.Metrics(peak_bytes=int(peak_mib * 2**20), flops=flops, time_ratio=1.0, grads="yes")
+        return compare.Point("m", "s", group, metrics)
+
+    peers = [point("selective ops", 40.0, 100), point("torch.compile", 30.0, 110), point("every block", 20.0, 130)]
+    ours = [point("ckptplan auto-flops", 40.3, 100), point("ckptplan auto-flops", 30.5, 104),
+            point("ckptplan auto-flops", 25.0, 120)]
+    # 40.3 is within 1% of 40.0; the plan at 30.5 is over 30.0 + 1%, so the one at 25.0 answers
+    # compile; nothing is at or below 20.0
+    assert compare._flops_no_more(peers, ours) == 1
+    assert compare._flops_no_more(peers[:1], ours) == 1
+    everything = [*peers, *ours, point("ckptplan auto", 10.0, 999)]
+    assert compare._measured(everything, "ckptplan auto") == everything[-1:]
+    assert compare._measured(everything, "ckptplan") == everything[3:]

@@ -99,7 +99,7 @@ def test_plans_keep_the_softmax_or_recompute_the_dropout_product_within_their_pr
 
 
 def test_keeping_an_attention_matmul_caches_its_output_alone() -> None:
-    """The contiguous copies of query, key and value the kernel's matmuls make (and save) are
+    """The contiguous copies the kernel's matmuls make of their strided operands (and save) are
     nodes of their own, so a region can keep the scores and the output, as a selective policy
     saving ``bmm`` outputs does, and recompute the copies: caching them too would hold more."""
     torch.manual_seed(0)
