@@ -572,11 +572,12 @@ def _low_budget(graph: ckptplan.ComputeGraph, least_peer: int, settings: Setting
 
 def _ckptplan_points(
     graph: ckptplan.ComputeGraph, budgets: list[tuple[int, str]], work: Workload, ref_grads: dict, settings: Settings,
-    series: Sequence[tuple[str, str]] | None = None, *, flops_priced: bool = False,
+    series: Sequence[tuple[str, str]] | None = None,
 ) -> list[Point]:
     """Solve at each budget with each of ``series`` ((name, registered solver) pairs; default:
     ``settings.solvers`` under their own names), emit and measure; identical plans are measured once.
-    ``flops_priced``: ``graph`` is priced in FLOPs, so its plans predict FLOPs, not step time."""
+    Plans of a graph priced in FLOPs (``graph.priced_in``) predict FLOPs, not step time."""
+    flops_priced = graph.priced_in == "flops"
     step_flops = sum(n.fwd_flops + n.bwd_flops for n in graph.nodes)
     points: list[Point] = []
     seen: dict[str, tuple[Metrics, str]] = {}
@@ -658,8 +659,7 @@ def run_model(case: Case, settings: Settings) -> ModelResult:
         log.info("  ckptplan: profiling priced in FLOPs, spelled out")
         flops_graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=ckptplan.profiler.FLOPS,
                                        spell_out=True)
-        points += _ckptplan_points(flops_graph, budgets, work, ref_grads, settings, [(FLOPS_SOLVER, "auto")],
-                                   flops_priced=True)
+        points += _ckptplan_points(flops_graph, budgets, work, ref_grads, settings, [(FLOPS_SOLVER, "auto")])
 
     self_ratio = time_ratio(copy.deepcopy(work.model), work, settings.repeats)
     result = ModelResult(case, points, reference, self_ratio, len(graph.nodes), time.perf_counter() - started)

@@ -4,9 +4,7 @@ that counter measures on the emitted module."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,16 +12,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import ckptplan
 from ckptplan.profiler.loss import training_loss
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from tests.conftest import load_example
 
 
 def _tiny_gpt() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    spec = importlib.util.spec_from_file_location("flops_gpt_example", EXAMPLES / "gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     torch.manual_seed(0)
-    model = module.GPT(n_layer=2, block_size=64)
+    model = load_example("gpt").GPT(n_layer=2, block_size=64)
     return model, (torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64)))
 
 
