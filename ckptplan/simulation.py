@@ -198,22 +198,9 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
                 raise PlanFormatError(
                     f"Node {name!r} is kept by region [{region.start}, {region.end}) but is not directly in it."
                 )
-            if graph.nodes[index].random:
-                raise PlanFormatError(
-                    f"Node {name!r} cannot be kept: it draws random numbers, and recomputation must "
-                    "replay the random stream op by op."
-                )
-            writer = later_inplace_writer(graph, index)
-            if writer is not None:
-                raise PlanFormatError(
-                    f"Node {name!r} cannot be kept: {writer!r} later modifies its output in place, "
-                    "so the saved value would be stale."
-                )
-            if graph.nodes[index].fwd_freed_bytes > FREED_SCALAR_BYTES:
-                raise PlanFormatError(
-                    f"Node {name!r} cannot be kept: its op frees {graph.nodes[index].fwd_freed_bytes:,} bytes of "
-                    "intermediates a selective policy would cache too, which the memory model does not count."
-                )
+            reason = why_not_keep(graph, index)
+            if reason is not None:
+                raise PlanFormatError(f"Node {name!r} cannot be kept: {reason}.")
             keep.add(index)
         info.keep = frozenset(keep)
         inputs: set[int] = set()
@@ -240,6 +227,39 @@ def made_at_early_stop(graph: ComputeGraph, i: int) -> frozenset[int]:
     if node.made_by_last_save is not None:
         return frozenset(node.made_by_last_save)
     return frozenset(s for s in node.saved if graph.storages[s].producer == i)
+
+
+def why_not_keep(graph: ComputeGraph, index: int) -> str | None:
+    """Why a keep-set may not name node ``index``, or None when it may. A kept node's ops run
+    under a selective checkpoint policy: in forward it caches what they return, and the
+    recompute hands those cached tensors back instead of running the ops. That is exact only
+    when the ops' results are all a recompute needs from them, hence:
+
+    1. no random numbers (the recompute replays the RNG stream op by op);
+    2. no in-place write: the cached result stands in for the op, so a recompute that skips it
+       leaves the tensor it writes into unwritten for the ops after it (a squeeze-excitation's
+       ``SiLU(inplace=True)`` kept would feed ``fc2`` its pre-activation input);
+    3. no later in-place write into its output (the cache would hold the value after it);
+    4. nothing beyond scalars that its dispatched ops return and free (the policy caches that
+       too, which the memory model does not count: ``Node.fwd_freed_bytes``).
+    """
+    node = graph.nodes[index]
+    if node.random:
+        return "it draws random numbers, and recomputation must replay the random stream op by op"
+    if node.inplace:
+        return (
+            "it writes in place into a tensor made before it, and a selective policy would hand back its "
+            "result without the write; keep the op that makes the tensor instead"
+        )
+    writer = later_inplace_writer(graph, index)
+    if writer is not None:
+        return f"{writer!r} later modifies its output in place, so the saved value would be stale"
+    if node.fwd_freed_bytes > FREED_SCALAR_BYTES:
+        return (
+            f"its op frees {node.fwd_freed_bytes:,} bytes of intermediates a selective policy would cache too, "
+            "which the memory model does not count"
+        )
+    return None
 
 
 def later_inplace_writer(graph: ComputeGraph, index: int) -> str | None:

@@ -323,6 +323,9 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
     counter = [0]
     wrappers: dict[str, nn.Module] = {}
     owner_modules = dict(source.named_modules())
+    constants = _carry_constants(new_graph, model, owner_modules)
+    if constants is not None:
+        wrappers[_CONSTANTS] = constants
     units = fsdp_units(graph)
     in_unit = _regions_by_unit(regions, units)
     for k, unit in enumerate(units):
@@ -788,6 +791,43 @@ def _erase_unused_attrs(graph: torch.fx.Graph) -> None:
     for fx_node in list(graph.nodes):
         if fx_node.op == "get_attr" and not fx_node.users:
             graph.erase_node(fx_node)
+
+
+# The emitted module's child holding the constant tensors its graph reads (``_carry_constants``).
+_CONSTANTS = "_ckptplan_constants"
+
+
+def _carry_constants(
+    graph: torch.fx.Graph, model: nn.Module, owner_modules: dict[str, nn.Module]
+) -> nn.Module | None:
+    """Move the tensors ``graph`` reads that are not the model's parameters or buffers — the
+    constants ``torch.export`` lifts (``a.lifted_tensor_0``: an index table built in forward) and
+    plain tensor attributes — into one child module of their own, as non-persistent buffers, and
+    point the reads there. The emitted module shares the model's modules, parameters and buffers,
+    where the traced module's constants do not live; held here they follow ``.to()`` and stay out
+    of ``state_dict``. Returns that child (also added to ``owner_modules``), or None if there are
+    none."""
+    state = {id(t) for t in (*model.parameters(), *model.buffers())}
+    holder = nn.Module()
+    names: dict[int, str] = {}
+    for fx_node in graph.nodes:
+        if fx_node.op != "get_attr":
+            continue
+        value = _fetch_from(owner_modules, str(fx_node.target))
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter) or id(value) in state:
+            continue
+        name = names.get(id(value))
+        if name is None:
+            name = base = str(fx_node.target).replace(".", "_")
+            while hasattr(holder, name):
+                name = f"{base}_{len(names)}"
+            holder.register_buffer(name, value, persistent=False)
+            names[id(value)] = name
+        fx_node.target = f"{_CONSTANTS}.{name}"
+    if not names:
+        return None
+    owner_modules[_CONSTANTS] = holder
+    return holder
 
 
 def _read_state(module: nn.Module, name: str) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn import functional as F
 from torch.nn.utils.stateless import _reparametrize_module
@@ -271,6 +271,9 @@ class _Recorder:
         self.value_owner: dict[int, int] = {}  # id(value) of a node's output -> node index
         self.autocast: Autocast | None = None
         self.target: Target | None = None  # whose dropout kernels to run, if not the fake tensors' device's
+        self.mode: FakeTensorMode | None = None
+        self.meta_as: torch.device | None = None
+        self.constants: dict[int, torch.Tensor] = {}  # id(real constant) -> its fake copy
 
     def add_storage(
         self, t: torch.Tensor, kind: StorageKind, producer: int = -1, trainable: bool = False, cached: bool = False
@@ -351,6 +354,7 @@ def record_graph(
     recorder.autocast = autocast
     recorder.target = target
     meta_as = autocast.meta_as if autocast is not None else None
+    recorder.mode, recorder.meta_as = mode, meta_as
     fake_state = _fake_state(gm, mode, meta_as)
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     for name, fake in fake_state.items():
@@ -396,7 +400,7 @@ def _interpret(recorder: _Recorder, fake_inputs: list[Any], loss_leaves_fn: Any)
             if fx_node.op == "placeholder":
                 env[fx_node] = next(inputs)
             elif fx_node.op == "get_attr":
-                env[fx_node] = _fetch_attr(gm, fx_node.target)
+                env[fx_node] = _fake_constant(recorder, _fetch_attr(gm, fx_node.target))
             elif fx_node.op == "output":
                 _record_outputs(recorder, fx_node, env, loss_leaves_fn)
             elif fx_node.op == "call_module" and fx_node.target in _SKIPPED_MODULES:
@@ -404,6 +408,20 @@ def _interpret(recorder: _Recorder, fake_inputs: list[Any], loss_leaves_fn: Any)
             else:
                 saved_log.clear()
                 env[fx_node] = _record_node(recorder, fx_node, env, saved_log, counter)
+
+
+def _fake_constant(recorder: _Recorder, value: Any) -> Any:
+    """A fake stand-in for a real tensor the graph reads as an attribute that is neither a
+    parameter nor a buffer: a constant ``torch.export`` lifted (``lifted_tensor_0``, a table a
+    model builds in forward) or a plain tensor attribute. It is model state for the memory model
+    (a static ``buffer`` storage), made once per tensor."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+        return value
+    fake = recorder.constants.get(id(value))
+    if fake is None:
+        fake = recorder.constants[id(value)] = fake_copy(recorder.mode, value, recorder.meta_as)
+        recorder.add_storage(fake, "buffer")
+    return fake
 
 
 def _fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:
@@ -445,7 +463,9 @@ def _record_node(
     kwargs = torch.fx.node.map_arg(fx_node.kwargs, lambda n: env[n])
     flops_before = counter.flops.get_total_flops()
     counter.alloc.start(recorder.storage_of.keys())
+    versions = _versions((args, kwargs))
     out = _run(recorder, fx_node, args, kwargs)
+    writes_activation = _writes_activation(recorder, versions)
     made_keys = counter.alloc.made_by_last_save
     fwd_flops = counter.flops.get_total_flops() - flops_before
     casts = counter.alloc.cached_casts  # parameter casts autocast's cache holds past this op
@@ -505,7 +525,7 @@ def _record_node(
         grad_inputs=grad_inputs,
         param_grads=param_grads,
         requires_grad=requires_grad,
-        inplace=_is_inplace(fx_node),
+        inplace=_is_inplace(fx_node) or writes_activation,
         random=random,
         grad_aliases_output=local.aliases,
         grad_aliased_inputs=grad_aliased_inputs,
@@ -524,6 +544,26 @@ def _record_node(
     recorder.node_index[fx_node] = index
     recorder.keep_alive.extend(out_tensors)
     return out
+
+
+def _versions(value: Any) -> list[tuple[torch.Tensor, int]]:
+    """Each tensor argument with its version counter, which every in-place write bumps (through
+    any view of the same base): how a module call or a function with ``inplace=True``, whose
+    schema the graph does not show, is seen writing into its inputs."""
+    return [(t, t._version) for t in _tensors(value) if not t.is_inference()]
+
+
+def _writes_activation(recorder: _Recorder, versions: list[tuple[torch.Tensor, int]]) -> bool:
+    """Whether the op just run wrote into an argument that is an activation or a graph input.
+    Writes into parameters and buffers (running statistics) are state updates, which the emitter
+    guards by op (``planner.emit._guard_state_updates``), not in-place activations."""
+    for t, version in versions:
+        if t._version == version:
+            continue
+        index = recorder.storage_of.get(storage_key(t))
+        if index is None or recorder.rec.storages[index].kind not in ("param", "buffer"):
+            return True
+    return False
 
 
 def _is_inplace(fx_node: torch.fx.Node) -> bool:

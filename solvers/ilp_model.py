@@ -89,7 +89,7 @@ from ortools.sat.python import cp_model
 from ckptplan.graph import ComputeGraph
 from ckptplan.remat import chains, conflicts, deep_chains, savers
 from ckptplan.sharding import unit_edges
-from ckptplan.simulation import FREED_SCALAR_BYTES, gradient_bytes, later_inplace_writer, made_at_early_stop
+from ckptplan.simulation import gradient_bytes, made_at_early_stop, why_not_keep
 
 # A memory row: ``live <= peak`` when every literal of ``enforce`` holds.
 Row = tuple[cp_model.LinearExprT, list]
@@ -740,16 +740,9 @@ def add_bounding_clauses(model: cp_model.CpModel, v: IlpVars) -> None:
 
 
 def keepable(graph: ComputeGraph, t: int) -> bool:
-    """What a keep-set may name: an op that allocates (keeping a view saves nothing, its storage
-    is its base's), draws no random numbers, frees no more than scalars of what its dispatched
-    ops return (a selective policy would cache it too, which the model does not count:
-    ``Node.fwd_freed_bytes``; a non-random attention frees an 8-byte scale), and whose output no
-    later op overwrites in place."""
-    node = graph.nodes[t]
-    return (
-        not node.random and node.fwd_freed_bytes <= FREED_SCALAR_BYTES and bool(graph.produced_by(t))
-        and later_inplace_writer(graph, t) is None
-    )
+    """What a keep-set may name (``simulation.why_not_keep``) and is worth naming: an op that
+    allocates (keeping a view saves nothing, its storage is its base's)."""
+    return bool(graph.produced_by(t)) and why_not_keep(graph, t) is None
 
 
 def region_window(graph: ComputeGraph, window: int | None) -> int:
