@@ -56,7 +56,9 @@ class Node:
     ``saved``: non-parameter storages autograd keeps for this op's backward, outputs and hidden
     tensors included. ``grad_inputs``: input nodes that receive a gradient from this op.
     ``param_grads``: trainable parameter storages this op produces a gradient for.
-    ``inplace``: the op writes into one of its inputs (``add_``, ``relu_``).
+    ``inplace``: the op writes into one of its inputs (``add_``, ``relu_``) that is an activation
+    or a graph input. ``writes``: the storages it writes into in place, model state included
+    (batch norm's running statistics); empty where unknown, when ``outputs`` stand for them.
     ``random``: the op draws random numbers (dropout); recomputation replays the RNG stream.
     ``grad_aliases_output``: the gradients it passes to its inputs are views of the gradient
     it receives (view ops), so backward allocates nothing for them.
@@ -107,6 +109,7 @@ class Node:
     bwd_cost: float = 0.0
     fwd_freed_bytes: int = 0
     bwd_unpack_bytes: int = 0
+    writes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,7 @@ class ComputeGraph:
         writers: dict[int, list[int]] = {}
         for node in self.nodes:
             if node.inplace:
-                for s in dict.fromkeys(node.outputs):
+                for s in dict.fromkeys(node.writes or node.outputs):
                     writers.setdefault(s, []).append(node.index)
         return {s: tuple(w) for s, w in writers.items()}
 
@@ -257,15 +260,17 @@ class ComputeGraph:
     def boundaries(self) -> frozenset[int]:
         """Positions k in 0..n where a region may start or end: no in-place op at or after k
         writes into an activation produced before k (recomputing from a region's inputs needs
-        them unmodified, as non-reentrant checkpoint checks)."""
+        them unmodified, as non-reentrant checkpoint checks), and none at or after k writes into
+        a graph input."""
         blocked: set[int] = set()
-        for node in self.nodes:
-            if not node.inplace:
-                continue
-            for s in node.outputs:
-                storage = self.storages[s]
-                if not storage.is_static and storage.producer < node.index:
-                    blocked.update(range(storage.producer + 1, node.index + 1))
+        for s, writers in self.inplace_writers.items():
+            storage = self.storages[s]
+            if storage.kind == "input":
+                # The caller's tensor, overwritten: no region before the last write may read it, and
+                # none may hold the write (recomputing it would write twice).
+                blocked.update(range(writers[-1] + 1))
+            elif not storage.is_static:
+                blocked.update(k for w in writers if storage.producer < w for k in range(storage.producer + 1, w + 1))
         return frozenset(k for k in range(len(self.nodes) + 1) if k not in blocked)
 
     @cached_property

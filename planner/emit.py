@@ -171,12 +171,15 @@ def _batch_norm_once(input, weight, bias, running_mean, running_var, training, m
 
 
 def _mutate_once(op, target, *args, **kwargs):
-    """An in-place update of model state (``num_batches_tracked += 1``) skipped when recomputing.
+    """An in-place update of model state (``num_batches_tracked += 1``) skipped when recomputing:
+    ``op`` is the OpOverload, or the name of the tensor method (``"add_"``) a symbolic trace calls.
 
     Under torch.compile the update is functionalized and applied once (see ``_batch_norm_once``).
     """
     if not torch.compiler.is_compiling() and _recomputing():
         return target
+    if isinstance(op, str):
+        return getattr(target, op)(*args, **kwargs)
     return op(target, *args, **kwargs)
 
 
@@ -323,6 +326,7 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
     counter = [0]
     wrappers: dict[str, nn.Module] = {}
     owner_modules = dict(source.named_modules())
+    owner_modules[_MODEL_STATE] = _ModelState(model)
     constants = _carry_constants(new_graph, model, owner_modules)
     if constants is not None:
         wrappers[_CONSTANTS] = constants
@@ -336,6 +340,8 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
         wrappers[name] = wrapper
     _erase_unused_attrs(new_graph)
     new_graph.lint()
+    if any(fx_node.op == "get_attr" and fx_node.target == _MODEL_STATE for fx_node in new_graph.nodes):
+        wrappers[_MODEL_STATE] = owner_modules[_MODEL_STATE]
 
     root: dict[str, Any] = {**wrappers}
     for fx_node in new_graph.nodes:
@@ -830,6 +836,23 @@ def _carry_constants(
     return holder
 
 
+# The emitted module's child through which region bodies read the model's top-level buffers.
+_MODEL_STATE = "_ckptplan_model_state"
+
+
+class _ModelState(nn.Module):
+    """Reads attributes of the model (held outside the module tree, so nothing is registered
+    twice): what a region body reads the model's top-level buffers through, as it reads a
+    submodule's buffers through that submodule (``_read_state``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["model"] = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["model"], name)
+
+
 def _read_state(module: nn.Module, name: str) -> torch.Tensor:
     """Read a buffer at call time, so the region sees what ``.to()`` or ``load_state_dict`` put there."""
     return getattr(module, name)
@@ -846,8 +869,10 @@ def _buffer_owner(
         return None
     owner_path, _, attr = str(fx_input.target).rpartition(".")
     owner = owner_modules.get(owner_path)
-    if not owner_path or owner is None or attr not in owner._buffers:
+    if owner is None or attr not in owner._buffers:
         return None
+    if not owner_path:  # the model's own buffer: read through the model (``_ModelState``)
+        owner_path = _MODEL_STATE
     with graph.inserting_before(fx_input):
         owner_node = graph.get_attr(owner_path)
     return owner_node, attr
@@ -869,16 +894,21 @@ def _guard_state_updates(
 ) -> None:
     """Keep buffer updates to once per step: recomputation must not repeat them."""
     target = copied.target
+    first = copied.args[0] if copied.args else None
+    external = isinstance(first, torch.fx.Node) and (
+        first.op == "placeholder" or (first.op == "call_function" and first.target is _read_state)
+    )
     if copied.op == "call_function" and target is torch.ops.aten.batch_norm.default:
         copied.target = _batch_norm_once
     elif copied.op == "call_function" and isinstance(target, torch._ops.OpOverload) and _mutates_first_arg(target):
-        first = copied.args[0] if copied.args else None
-        external = isinstance(first, torch.fx.Node) and (
-            first.op == "placeholder" or (first.op == "call_function" and first.target is _read_state)
-        )
         if external:
             copied.target = _mutate_once
             copied.args = (target, *copied.args)
+    elif copied.op == "call_method" and str(target).endswith("_") and not str(target).startswith("_"):
+        if external:
+            copied.op = "call_function"
+            copied.target = _mutate_once
+            copied.args = (str(target), *copied.args)
     elif copied.op == "call_module" and isinstance(owner_modules.get(copied.target), nn.modules.batchnorm._BatchNorm):
         module_node = body.get_attr(copied.target)
         copied.prepend(module_node)

@@ -465,7 +465,7 @@ def _record_node(
     counter.alloc.start(recorder.storage_of.keys())
     versions = _versions((args, kwargs))
     out = _run(recorder, fx_node, args, kwargs)
-    writes_activation = _writes_activation(recorder, versions)
+    written = _written(recorder, versions)
     made_keys = counter.alloc.made_by_last_save
     fwd_flops = counter.flops.get_total_flops() - flops_before
     casts = counter.alloc.cached_casts  # parameter casts autocast's cache holds past this op
@@ -525,7 +525,8 @@ def _record_node(
         grad_inputs=grad_inputs,
         param_grads=param_grads,
         requires_grad=requires_grad,
-        inplace=_is_inplace(fx_node) or writes_activation,
+        inplace=_is_inplace(fx_node) or any(rec.storages[w].kind not in ("param", "buffer") for w in written),
+        writes=written,
         random=random,
         grad_aliases_output=local.aliases,
         grad_aliased_inputs=grad_aliased_inputs,
@@ -549,21 +550,22 @@ def _record_node(
 def _versions(value: Any) -> list[tuple[torch.Tensor, int]]:
     """Each tensor argument with its version counter, which every in-place write bumps (through
     any view of the same base): how a module call or a function with ``inplace=True``, whose
-    schema the graph does not show, is seen writing into its inputs."""
+    schema the graph does not show, is seen writing into its inputs. Writes into parameters and
+    buffers (running statistics) are state updates, which the emitter guards by op
+    (``planner.emit._guard_state_updates``); writes into activations and graph inputs make the
+    node ``inplace``."""
     return [(t, t._version) for t in _tensors(value) if not t.is_inference()]
 
 
-def _writes_activation(recorder: _Recorder, versions: list[tuple[torch.Tensor, int]]) -> bool:
-    """Whether the op just run wrote into an argument that is an activation or a graph input.
-    Writes into parameters and buffers (running statistics) are state updates, which the emitter
-    guards by op (``planner.emit._guard_state_updates``), not in-place activations."""
+def _written(recorder: _Recorder, versions: list[tuple[torch.Tensor, int]]) -> tuple[int, ...]:
+    """The recorded storages the op just run wrote into, through the arguments it was given."""
+    written: dict[int, None] = {}
     for t, version in versions:
-        if t._version == version:
-            continue
-        index = recorder.storage_of.get(storage_key(t))
-        if index is None or recorder.rec.storages[index].kind not in ("param", "buffer"):
-            return True
-    return False
+        if t._version != version:
+            index = recorder.storage_of.get(storage_key(t))
+            if index is not None:
+                written[index] = None
+    return tuple(written)
 
 
 def _is_inplace(fx_node: torch.fx.Node) -> bool:

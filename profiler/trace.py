@@ -113,7 +113,7 @@ def trace_model(
                 gm = _export(model, args, kwargs)
                 flat = pytree.tree_flatten((args, kwargs))[0]
             else:
-                gm = torch.fx.symbolic_trace(model)
+                gm = _symbolic_trace(model)
                 flat = _bind_placeholders(gm, model, args, kwargs)
         except TraceError:
             raise
@@ -126,6 +126,22 @@ def trace_model(
             f"try trace={_OTHER[mode]!r}."
         )
     return Traced(gm=gm, flat_inputs=flat, mode=mode)
+
+
+def _symbolic_trace(model: nn.Module) -> torch.fx.GraphModule:
+    """``torch.fx.symbolic_trace``, refusing a model whose forward writes into its own state:
+    the tracer reads parameters and buffers as real tensors, so such a write (a step counter's
+    ``add_``) runs once while tracing and never in the traced graph."""
+    versions = [(name, t, t._version) for name, t in named_state(model) if not t.is_inference()]
+    gm = torch.fx.symbolic_trace(model)
+    written = [name for name, t, version in versions if t._version != version]
+    if written:
+        raise TraceError(
+            f"torch.fx.symbolic_trace ran {type(model).__name__}'s in-place update of {written[0]!r} while tracing "
+            "instead of recording it, so the traced step would never update it (tracing has updated it once); "
+            "use trace='export'."
+        )
+    return gm
 
 
 # Loggers that narrate a failed export at WARNING level; the TraceError we raise says it once.

@@ -154,7 +154,7 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
     lo, hi = block.start, block.end
     used: list[int] = []
     for node in graph.nodes[lo:hi]:
-        used.extend([*node.outputs, *node.saved, *node.param_grads])
+        used.extend([*node.outputs, *node.saved, *node.param_grads, *node.writes])
         used.extend(s.index for s in graph.produced_by(node.index))
     remap = {s: k for k, s in enumerate(dict.fromkeys(used))}
     storages = []
@@ -174,6 +174,7 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
             grad_inputs=tuple(i - lo for i in node.grad_inputs if i >= lo),
             grad_aliased_inputs=tuple(i - lo for i in node.grad_aliased_inputs if i >= lo),
             param_grads=tuple(remap[s] for s in node.param_grads),
+            writes=tuple(remap[s] for s in node.writes),
         )
         for node in graph.nodes[lo:hi]
     ]
