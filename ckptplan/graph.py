@@ -56,6 +56,10 @@ class Node:
     ``saved``: non-parameter storages autograd keeps for this op's backward, outputs and hidden
     tensors included. ``grad_inputs``: input nodes that receive a gradient from this op.
     ``param_grads``: trainable parameter storages this op produces a gradient for.
+    ``param_grad_copies``: those whose gradient it makes in another layout than the parameter's
+    (a convolution after a channels-last permute): autograd stores the first gradient of a
+    parameter in the parameter's layout, so it allocates a copy there (``AccumulateGrad``'s
+    layout contract) and frees this one.
     ``inplace``: the op writes into one of its inputs (``add_``, ``relu_``) that is an activation
     or a graph input. ``writes``: the storages it writes into in place, model state included
     (batch norm's running statistics); empty where unknown, when ``outputs`` stand for them.
@@ -110,6 +114,7 @@ class Node:
     fwd_freed_bytes: int = 0
     bwd_unpack_bytes: int = 0
     writes: tuple[int, ...] = ()
+    param_grad_copies: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

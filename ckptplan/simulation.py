@@ -517,7 +517,8 @@ class GradientStep:
     seed, or of another op's gradient, such as ``cat``'s slices) and that an allocated gradient
     replaces: autograd cannot add into a view, so it adds out of place and drops the view;
     ``param_grads``: parameter storages whose gradient it allocates first; ``transient_bytes``:
-    what it adds into gradients that already exist (a temporary of that size)."""
+    what it adds into gradients that already exist (a temporary of that size), and the copies of
+    first gradients made in another layout than their parameter's (``Node.param_grad_copies``)."""
 
     node: int
     incoming: tuple[int, ...]
@@ -581,6 +582,11 @@ def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
             else:
                 done_params.add(p)
                 params.append(p)
+                if p in node.param_grad_copies:
+                    # Stored in the parameter's layout: a copy, then the original goes. Autograd
+                    # makes it once this backward has returned and freed its saved tensors; it
+                    # is counted here, with them, so the model never falls short.
+                    transient += graph.storages[p].nbytes
         steps.append(
             GradientStep(i, incoming, tuple(allocated), tuple(aliased), tuple(replaced), tuple(params), transient)
         )

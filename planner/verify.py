@@ -77,6 +77,11 @@ def verify(
         raise CkptPlanError("CUDA is not available on this machine; verify with --device cpu.")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = dict(kwargs or {})
+    if any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers(), *_tensors((args, kwargs)))):
+        raise CkptPlanError(
+            f"{type(model).__name__} is on the meta device, which holds no data to run a step on; verify runs real "
+            "steps, so build the model and its inputs on cpu or cuda (plans made on meta apply there unchanged)."
+        )
     if device == "cuda":
         model = model.to(device)
         args, kwargs = _to(args, device), _to(kwargs, device)

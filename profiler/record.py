@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn import functional as F
@@ -524,6 +525,7 @@ def _record_node(
         saved=tuple(saved),
         grad_inputs=grad_inputs,
         param_grads=param_grads,
+        param_grad_copies=tuple(recorder.storage_of[storage_key(p)] for p in param_tensors if id(p) in local.relayout),
         requires_grad=requires_grad,
         inplace=_is_inplace(fx_node) or any(rec.storages[w].kind not in ("param", "buffer") for w in written),
         writes=written,
@@ -603,6 +605,7 @@ class _LocalBackward:
     aliases: bool = False
     aliased_values: frozenset[int] = frozenset()
     workspace_bytes: int = 0
+    relayout: frozenset[int] = frozenset()  # ids of the parameters whose gradient comes in another layout
 
 
 def _local_backward(
@@ -663,11 +666,25 @@ def _local_backward(
     aliased = frozenset(
         value_id for value_id, g in zip(leaves, grads) if g is not None and storage_key(g) in seed_keys
     )
+    relayout = frozenset(id(p) for p, g in zip(params, grads[len(leaves):]) if g is not None and not _obeys_layout(g, p))
     return _LocalBackward(
         flops=int(flops),
         aliases=bool(activation_grads) and all(storage_key(g) in seed_keys for g in activation_grads),
         aliased_values=aliased,
         workspace_bytes=int(workspace),
+        relayout=relayout,
+    )
+
+
+def _obeys_layout(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether autograd stores ``grad`` as ``param``'s first gradient as it is, rather than a copy
+    in ``param``'s layout (``obeys_layout_contract`` in torch/csrc/autograd/functions/accumulate_grad.h:
+    the strides of every dimension longer than one must match those of a dense parameter)."""
+    if not is_non_overlapping_and_dense_or_false(param):
+        return grad.is_contiguous()
+    return all(
+        (size == 1 and g_stride != 0) or (size != 1 and g_stride == p_stride)
+        for size, g_stride, p_stride in zip(grad.shape, grad.stride(), param.stride())
     )
 
 

@@ -79,7 +79,12 @@ def model_device_type(model: nn.Module, flat_inputs: list[Any]) -> str:
 
 @contextlib.contextmanager
 def training_mode(model: nn.Module) -> Iterator[None]:
-    """Put every submodule in training mode for the duration, then restore each one's flag."""
+    """The modes of a training step for the duration: a model in training mode as it is (a
+    submodule its user keeps in eval, such as a frozen batch norm, stays so); a model in eval
+    mode with every submodule put in training mode, each one's flag restored afterwards."""
+    if model.training:
+        yield
+        return
     flags = [(m, m.training) for m in model.modules()]
     model.train()
     try:
@@ -104,6 +109,12 @@ def trace_model(
         raise TraceError(f"Expected a torch.nn.Module to profile, got {type(model).__name__}.")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = dict(kwargs or {})
+    if not model.training:
+        log.warning(
+            "%s is in eval mode; ckptplan plans a training step, so it traces the model in training mode "
+            "(dropout and batch norm as they train) and leaves its mode as it was; call model.train() first "
+            "to keep a submodule in eval (a frozen batch norm) as your step does.", type(model).__name__,
+        )
     with training_mode(model):
         try:
             if mode == "export" and autocast is not None:
@@ -118,7 +129,8 @@ def trace_model(
         except TraceError:
             raise
         except Exception as exc:  # the tracers raise many unrelated types; all mean "cannot trace"
-            raise TraceError(_describe(exc, mode, type(model).__name__)) from exc
+            hint = _cache_hint(model) if mode == "symbolic" or "cache" in str(exc).lower() else None
+            raise TraceError(hint or _describe(exc, mode, type(model).__name__)) from exc
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(flat):
         raise TraceError(
@@ -224,6 +236,20 @@ def _bind_placeholders(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, 
         name = node.target.lstrip("*")
         values.append(bound.arguments.get(name, node.args[0] if node.args else None))
     return values
+
+
+def _cache_hint(model: nn.Module) -> str | None:
+    """What to do about a ``transformers`` model whose config asks for its key/value cache, which
+    neither tracer can follow (export meets the cache object in the outputs, symbolic tracing the
+    model's signature); None for any other model."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        return None
+    return (
+        f"{type(model).__name__} returns its key/value cache (its config has use_cache=True), which cannot be traced "
+        "and which a training step does not use: set model.config.use_cache = False before planning "
+        "(transformers turns the cache off itself when it checkpoints)."
+    )
 
 
 def _describe(exc: BaseException, mode: TraceMode, model_name: str) -> str:

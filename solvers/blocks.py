@@ -175,6 +175,7 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
             grad_aliased_inputs=tuple(i - lo for i in node.grad_aliased_inputs if i >= lo),
             param_grads=tuple(remap[s] for s in node.param_grads),
             writes=tuple(remap[s] for s in node.writes),
+            param_grad_copies=tuple(remap[s] for s in node.param_grad_copies),
         )
         for node in graph.nodes[lo:hi]
     ]

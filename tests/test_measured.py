@@ -7,6 +7,7 @@ plus hand-made nested and selective plans.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -216,3 +217,36 @@ def test_a_node_that_frees_what_its_ops_return_is_never_kept() -> None:
     with pytest.raises(PlanFormatError, match="cannot be kept: its op frees"):
         ckptplan.make_plan(graph, [Region(0, len(graph.nodes), keep=(diff.name,))])
     assert all(n.fwd_freed_bytes == 0 for n in graph.nodes if n is not diff)
+
+
+class _ChannelsLastConv(torch.nn.Module):
+    """A wide convolution after a channels-last permute (ConvNeXt's downsampling): its weight
+    gradient comes channels-last, and autograd copies it into the weight's layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(64)
+        self.conv = torch.nn.Conv2d(64, 256, 3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.conv(h)
+
+
+def test_gradient_layout_copies_are_counted() -> None:
+    """The copy of a gradient made in another layout than its parameter's is where this step
+    peaks. The simulator counts it during the convolution's backward, where autograd makes it
+    just after, once the convolution's saved input is freed: never under the measured peak, over
+    it by at most that input; the prediction would fall short without it."""
+    torch.manual_seed(0)
+    model, args = _ChannelsLastConv(), (torch.randn(2, 64, 8, 8),)
+    graph = ckptplan.profile(model, args)
+    (conv,) = [node for node in graph.nodes if node.param_grad_copies]
+    weight = graph.storages[conv.param_grad_copies[0]]
+    assert weight.nbytes == model.conv.weight.numel() * 4
+    measured = ckptplan.measure_step(model, args).peak_bytes
+    saved_input = sum(graph.storages[s].nbytes for s in conv.saved if not graph.storages[s].is_static)
+    assert measured <= graph.baseline_peak_bytes <= measured + saved_input
+    nodes = tuple(dataclasses.replace(node, param_grad_copies=()) for node in graph.nodes)
+    without = dataclasses.replace(graph, nodes=nodes)
+    assert ckptplan.simulate(without).peak_bytes <= measured - weight.nbytes // 2

@@ -203,3 +203,36 @@ def test_measured_roofline_carries_this_machine_s_fixed_costs_into_plans() -> No
     plan = ckptplan.make_plan(graph, [ckptplan.Region(0, 4, keep=(graph.nodes[0].name,))])
     expected = roofline.region_seconds + 4 * roofline.region_op_seconds + 2 * roofline.policy_op_seconds
     assert plan.prediction.checkpoint_seconds == pytest.approx(expected)
+
+
+def test_a_transformers_cache_gets_the_fix_not_a_circle() -> None:
+    """GPT-2 with its default ``use_cache=True``: both tracers say to turn the cache off (neither
+    sends the user to the other), and with it off the model profiles."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    model, ids = transformers.GPT2LMHeadModel(config), torch.randint(0, 64, (2, 16))
+    for trace in ("export", "symbolic"):
+        with pytest.raises(TraceError, match=r"use_cache=True.*model.config.use_cache = False") as info:
+            ckptplan.profile(model, (ids,), trace=trace)
+        assert "try trace" not in str(info.value)
+    model.config.use_cache = False
+    assert ckptplan.profile(model, (ids,)).nodes
+
+
+def test_a_model_in_eval_mode_is_profiled_training_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Profiling plans a training step: an eval-mode model is traced in training mode (dropout
+    draws masks), says so, and keeps its mode; a training model's frozen batch norm stays frozen."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.BatchNorm1d(8)).eval()
+    with caplog.at_level("WARNING", logger="ckptplan"):
+        graph = ckptplan.profile(model, (torch.randn(4, 8),))
+    assert "Sequential is in eval mode" in caplog.text
+    assert not model.training and not any(m.training for m in model.modules())
+    assert any(node.random for node in graph.nodes)
+    model.train()
+    model[2].eval()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ckptplan"):
+        frozen = ckptplan.profile(model, (torch.randn(4, 8),))
+    assert "eval mode" not in caplog.text and not model[2].training
+    assert frozen.fingerprint != graph.fingerprint  # batch norm with running statistics, not batch ones

@@ -78,3 +78,19 @@ def test_cli_verify_reports_and_exits(tmp_path: Path, monkeypatch: pytest.Monkey
     if not torch.cuda.is_available():
         no_gpu = runner.invoke(app, ["verify", str(model_file), "--plan", str(plan_file), "--device", "cuda"])
         assert no_gpu.exit_code == 1 and "CUDA is not available" in no_gpu.stderr
+
+
+def test_verify_refuses_a_meta_model_in_one_sentence(tmp_path: Path) -> None:
+    """A plan made on ``meta`` applies to the real model; verify, which runs steps, says so."""
+    model, args = models.mlp(depth=2), (torch.randn(8, 64),)
+    plan = ckptplan.make_plan(ckptplan.profile(model, args), [])
+    with pytest.raises(CkptPlanError, match="meta device.*build the model and its inputs on cpu or cuda"):
+        ckptplan.verify(models.mlp(depth=2).to("meta"), (torch.randn(8, 64, device="meta"),), plan)
+    model_file = tmp_path / "meta_model.py"
+    model_file.write_text(MODEL.replace("return models.DropoutEverywhere(width=128, depth=6), (torch.randn(512, 128),)",
+                                        "return models.mlp(depth=2).to('meta'), (torch.randn(8, 64, device='meta'),)"))
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json())
+    result = CliRunner().invoke(app, ["verify", str(model_file), "--plan", str(plan_file)])
+    assert result.exit_code == 1 and "meta device" in result.stderr
+    assert "Traceback" not in result.output and len(result.stderr.strip().splitlines()) <= 3
