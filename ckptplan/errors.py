@@ -12,12 +12,16 @@ class BudgetError(CkptPlanError, ValueError):
 
 
 class InfeasibleBudgetError(CkptPlanError):
-    """No plan the solver can build fits the budget; ``min_peak_bytes`` is the least it reached."""
+    """No plan the solver can build fits the budget. ``min_peak_bytes`` is the least peak it
+    reached: the simulated peak of ``least_plan`` (a ``Plan``, which a budget of that many bytes
+    admits) when the solver made one; without one, a bound below which nothing fits (what every
+    plan holds, for a budget refused before any solver ran)."""
 
-    def __init__(self, message: str, *, budget_bytes: int, min_peak_bytes: int) -> None:
+    def __init__(self, message: str, *, budget_bytes: int, min_peak_bytes: int, least_plan: object = None) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_peak_bytes = min_peak_bytes
+        self.least_plan = least_plan
 
 
 class TraceError(CkptPlanError):

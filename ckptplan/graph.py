@@ -135,6 +135,12 @@ class StaticMemory:
         """Held from before forward until after backward: state, optimizer state, inputs, buckets."""
         return self.param_bytes + self.buffer_bytes + self.input_bytes + self.optimizer_bytes + self.bucket_bytes
 
+    @property
+    def floor_bytes(self) -> int:
+        """What every plan's peak holds: the resident bytes and, by the end of backward, the
+        gradients (no activation counted). No budget below it can be met."""
+        return self.resident_bytes + self.grad_bytes
+
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -49,6 +49,7 @@ from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage
 from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.repeats import Block, find_blocks
 from ckptplan.simulation import Report, simulate
+from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_model import keepable
 from ckptplan.solvers.refine import keep_priority
 from ckptplan.solvers.sqrt import least_peak_regions
@@ -201,7 +202,7 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
     )
 
 
-def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list[tuple[Region, ...]]:
+def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list[tuple[Region, ...]]:
     """Candidate policies for ``block`` (relative regions, keep-sets naming the block's nodes):
     none, ``ranked_keep_policies``, ``small_region_policies`` (whose measuring comes out of
     ``seconds``), and the flat ilp's plans of ``block_graph`` at ``POLICY_BUDGETS`` budgets from
@@ -214,9 +215,10 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
     solves with the same limits. Below ``MIN_SOLVE_SECONDS`` per solve there are no flat solves:
     each budget's policy is the ilp's starting plan instead (``ilp.starting_plan``: those warm
     plans with keeps added or shed by ``solvers.refine``), for as many ballasts and budgets, in
-    order, as ``seconds`` pays for."""
+    order, as ``seconds`` pays for. ``seconds`` is ``ctx.limit``; the solves end by its deadline."""
     from ckptplan.solvers.ilp import solve_flat  # ilp imports this module
 
+    seconds = ctx.limit
     length = block.end - block.start
     ranked = ranked_keep_policies(graph, block)
     alone = block_graph(graph, block).baseline_peak_bytes
@@ -250,7 +252,7 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
         least = min([least_peak_regions(sub)[1], *(p.prediction.peak_bytes for p in starts)])
         if thorough:
             try:
-                solve_flat(sub, sub.static.resident_bytes, time_limit=per_solve, warm=(), announce=False, lazy=False)
+                solve_flat(sub, sub.static.resident_bytes, ctx.within(per_solve), warm=(), announce=False, lazy=False)
                 least = sub.static.resident_bytes
             except InfeasibleBudgetError as error:
                 least = min(least, error.min_peak_bytes)
@@ -270,7 +272,7 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
                     break
                 budget = gap
             warm = [p for p in [*starts, *frontier.plans] if p.prediction.peak_bytes <= budget]
-            frontier.add(budget, _block_plan(sub, budget, warm, seconds=None if quick else per_solve, slot=slot))
+            frontier.add(budget, _block_plan(sub, budget, warm, ctx, seconds=None if quick else per_solve, slot=slot))
         for plan in frontier.plans:
             clipped = tuple(Region(r.start, min(r.end, length), keep=r.keep) for r in plan.regions if r.start < length)
             if all(not r.children for r in clipped):
@@ -279,20 +281,20 @@ def block_policies(graph: ComputeGraph, block: Block, *, seconds: float) -> list
 
 
 def _block_plan(
-    sub: ComputeGraph, budget: int, warm: list[Plan], *, seconds: float | None, slot: float
+    sub: ComputeGraph, budget: int, warm: list[Plan], ctx: SolveContext, *, seconds: float | None, slot: float
 ) -> Plan | None:
     """The block graph ``sub``'s plan within ``budget`` (None if none is found): the flat ilp's
     with ``seconds``, or without (None) the ilp's starting plan. Either starts from ``warm`` and
     from the ``sqrt`` and ``dp`` plans (``slot``: dp's limit)."""
     from ckptplan.solvers.ilp import solve_flat, starting_plan, warm_plans  # ilp imports this module
 
-    warm = [*warm, *warm_plans(sub, budget, slot)]
+    warm = [*warm, *warm_plans(sub, budget, ctx.within(slot))]
     if seconds is None:
         regions = starting_plan(sub, warm, budget)
         return None if regions is None else solver_plan(
             sub, regions, budget, SolverInfo(name="refine", status="feasible", seconds=0.0))
     try:
-        return solve_flat(sub, budget, time_limit=seconds, warm=warm, announce=False, lazy=False)
+        return solve_flat(sub, budget, ctx.within(seconds), warm=warm, announce=False, lazy=False)
     except InfeasibleBudgetError:
         return None
 
@@ -442,9 +444,10 @@ def block_windows(blocks: Sequence[Block], base: Report) -> Windows:
     )
 
 
-def decompose(graph: ComputeGraph, *, seconds: float) -> tuple[Decomposition, Windows] | None:
-    """Blocks, their policies and measured effects; None when the graph has no repeated blocks
-    of at least ``MIN_BLOCK_NODES`` nodes."""
+def decompose(graph: ComputeGraph, ctx: SolveContext) -> tuple[Decomposition, Windows] | None:
+    """Blocks, their policies (found in ``ctx.limit`` seconds, shared by the classes of blocks)
+    and measured effects; None when the graph has no repeated blocks of at least
+    ``MIN_BLOCK_NODES`` nodes."""
     blocks, class_of = find_blocks(graph)
     if max((b.end - b.start for b in blocks), default=0) < MIN_BLOCK_NODES:
         return None
@@ -456,7 +459,7 @@ def decompose(graph: ComputeGraph, *, seconds: float) -> tuple[Decomposition, Wi
         probe = members[len(members) // 2]
         probes.append(probe)
         effects = []
-        for policy in block_policies(graph, blocks[probe], seconds=seconds / classes):
+        for policy in block_policies(graph, blocks[probe], ctx.within(ctx.limit / classes)):
             placed = shift(graph, policy, blocks[probe], blocks[probe])
             if placed is not None:
                 effects.append(measure(graph, blocks[probe], placed, windows))
@@ -536,10 +539,11 @@ def solve_blocks(
     return None
 
 
-def least_peak(graph: ComputeGraph, dec: Decomposition, windows: Windows) -> int:
-    """The least simulated peak of a plan the choice reaches (bisection on its budget)."""
+def least_peak(graph: ComputeGraph, dec: Decomposition, windows: Windows) -> tuple[int, tuple[Region, ...]]:
+    """The least simulated peak of a plan the choice reaches (bisection on its budget), and that
+    plan (no regions when none beats the step without checkpointing)."""
     lo, hi = graph.static.resident_bytes, graph.baseline_peak_bytes
-    best = hi
+    best: tuple[int, tuple[Region, ...]] = (hi, ())
     while hi - lo > max(1, (graph.baseline_peak_bytes - graph.static.resident_bytes) >> 12):
         mid = (lo + hi) // 2
         picked = choose(dec, windows, mid)
@@ -547,5 +551,6 @@ def least_peak(graph: ComputeGraph, dec: Decomposition, windows: Windows) -> int
             lo = mid
             continue
         hi = mid
-        best = min(best, simulate(graph, assemble(dec, picked)).peak_bytes)
+        regions = assemble(dec, picked)
+        best = min(best, (simulate(graph, regions).peak_bytes, regions), key=lambda found: found[0])
     return best

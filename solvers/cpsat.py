@@ -10,6 +10,7 @@ from ortools.sat.python import cp_model
 from ckptplan.errors import CkptPlanError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Region
+from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_model import IlpVars
 
 MIN_WALL_SECONDS = 1.0  # the wall-clock backup of even the shortest search
@@ -80,16 +81,19 @@ def fix_plan(
                 model.Add(var == value)
 
 
-def hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...]) -> None:
+def hint_complete(
+    model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...], ctx: SolveContext
+) -> None:
     """Hint every variable, not just the decisions: a copy of the model with the plan fixed
-    is solved for the values of the derived variables (CP-SAT repairs partial hints slowly)."""
+    is solved for the values of the derived variables (CP-SAT repairs partial hints slowly).
+    Within ``HINT_SECONDS`` and ``ctx``'s deadline; the decisions alone are hinted otherwise."""
     fixed = model.Clone()
     fix_plan(fixed, graph, v, regions)
     fixed.ClearObjective()
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = 10.0
-    if solve_interruptibly(solver, fixed) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    solver.parameters.max_time_in_seconds = min(HINT_SECONDS, ctx.left())
+    if solve_interruptibly(solver, fixed, ctx) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         fix_plan(model, graph, v, regions, free=range(len(graph.nodes)))
         return
     for index in range(len(model.Proto().variables)):
@@ -97,18 +101,16 @@ def hint_complete(model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regi
         model.AddHint(var, solver.Value(fixed.GetIntVarFromProtoIndex(index)))
 
 
-# Set by a Ctrl-C during any search of one ``solve_ilp`` call (which clears it): every later
-# search of that call is skipped, so the best plan so far comes back at once.
-stopped = threading.Event()
-
+HINT_SECONDS = 10.0  # the most a complete hint may take (a copy of the model with the plan fixed)
 STOP_POLL_SECONDS = 0.05  # how often the main thread checks for Ctrl-C, and re-asks CP-SAT to stop
 
 
 def solve_interruptibly(
-    solver: cp_model.CpSolver, model: cp_model.CpModel, callback: cp_model.CpSolverSolutionCallback | None = None
+    solver: cp_model.CpSolver, model: cp_model.CpModel, ctx: SolveContext,
+    callback: cp_model.CpSolverSolutionCallback | None = None,
 ) -> int:
-    """``solver.Solve(model, callback)``, ended early by Ctrl-C (which sets ``stopped``), or
-    nothing once Ctrl-C was pressed.
+    """``solver.Solve(model, callback)``, ended early by Ctrl-C (which sets ``ctx.cancel``), or
+    nothing once Ctrl-C was pressed. The wall-clock limit never reaches past ``ctx``'s deadline.
 
     CP-SAT's own SIGINT handler is off (``catch_sigint_signal``): it keeps its callback in a
     thread-local, so it works only when the kernel hands the signal to the solving thread; it
@@ -117,8 +119,9 @@ def solve_interruptibly(
     handler was. Instead the search runs in a thread while the main thread, where Python raises
     ``KeyboardInterrupt``, waits for it and then asks CP-SAT to stop until it does.
     """
-    if stopped.is_set():
+    if ctx.cancelled:
         return cp_model.UNKNOWN
+    solver.parameters.max_time_in_seconds = min(solver.parameters.max_time_in_seconds, ctx.left())
     solver.parameters.catch_sigint_signal = False
     if threading.current_thread() is not threading.main_thread():  # Ctrl-C never lands here
         return solver.Solve(model, callback)
@@ -139,7 +142,7 @@ def solve_interruptibly(
         while not finished.wait(STOP_POLL_SECONDS):
             pass
     except KeyboardInterrupt:
-        stopped.set()
+        ctx.cancel.set()
         solver.StopSearch()
         while not finished.wait(STOP_POLL_SECONDS):
             solver.StopSearch()  # asked before the search began, a stop may go unseen

@@ -50,9 +50,9 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.chain import SKIP_SHARE, Chain, build_chain, stage_starts
+from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.dp_curve import CostCurve, StageUnits, cost_curve
 from ckptplan.solvers.memo import graph_memo
-from ckptplan.solvers.registry import register
 from ckptplan.solvers.sqrt import solve_sqrt
 from ckptplan.units import describe_bytes
 
@@ -241,12 +241,11 @@ def chain_curve(graph: ComputeGraph, chain: Chain, mem_unit: int | None = None) 
     return cost_curve(chain, graph.baseline_peak_bytes, unit)
 
 
-@register("dp")
 def solve_dp(
     graph: ComputeGraph,
     budget_bytes: int,
+    ctx: SolveContext | None = None,
     *,
-    time_limit: float | None = None,
     mem_unit: int | None = None,
 ) -> Plan:
     """Optimal nested checkpoint regions for ``graph``'s stage chain within ``budget_bytes``.
@@ -259,7 +258,7 @@ def solve_dp(
     the DP answers every budget (``solvers.dp_curve``).
 
     On a graph with skips, each of ``candidate_chains`` is solved and the cheapest plan wins
-    (under ``time_limit``, at most ``CHAIN_SECONDS_PER_NODE`` per node for each chain tried
+    (under ``ctx``'s limit, at most ``CHAIN_SECONDS_PER_NODE`` per node for each chain tried
     after the first). On a chain of one-node
     stages the DP's memory model is the simulator's, so the plan is optimal. Merged stages are
     modelled conservatively in most respects, but not all (a merged stage's internal gradient
@@ -288,17 +287,18 @@ def solve_dp(
     chains = memo.chains
     curves: list[CostCurve] = []
     best: _Found | None = None
-    least_bytes = graph.baseline_peak_bytes
-    most_chains = len(chains) if time_limit is None else max(
-        1, math.floor(time_limit / (CHAIN_SECONDS_PER_NODE * max(1, len(graph.nodes))))
+    lowest: _Found | None = None  # the least-peak plan of the chains tried
+    limit = math.inf if ctx is None else ctx.limit
+    most_chains = len(chains) if math.isinf(limit) else max(
+        1, math.floor(limit / (CHAIN_SECONDS_PER_NODE * max(1, len(graph.nodes))))
     )
     for index in range(len(chains)):
         if best is not None and index >= most_chains:
             break
         curve, least = memo.curve(graph, index, mem_unit)
         curves.append(curve)
-        if least is not None:
-            least_bytes = min(least_bytes, least.report.peak_bytes)
+        if least is not None and (lowest is None or least.report.peak_bytes < lowest.report.peak_bytes):
+            lowest = least
         # The chain's model is conservative on merged stages: its least-peak plan may fit a
         # budget the curve rejects, and cost less than the curve's plan there.
         for found in (_checked(graph, curves[-1], budget_bytes), least):
@@ -307,11 +307,17 @@ def solve_dp(
             if best is None or found.report.cost_seconds < best.report.cost_seconds:
                 best = found
     if best is None:
+        least_bytes = graph.baseline_peak_bytes if lowest is None else lowest.report.peak_bytes
+        least_plan = None if lowest is None else solver_plan(
+            graph, lowest.regions, least_bytes, SolverInfo(name="dp", status="feasible", seconds=0.0,
+                                                           note="the stage chain's least-peak plan"),
+            report=lowest.report)
         raise InfeasibleBudgetError(
             f"Budget {describe_bytes(budget_bytes)} is below the least peak the dp solver reaches, "
             f"{describe_bytes(least_bytes)}; raise the budget.",
             budget_bytes=budget_bytes,
             min_peak_bytes=least_bytes,
+            least_plan=least_plan,
         )
     chain = best.curve.chain
     note = f"{len(chain)} stages over {len(graph.nodes)} nodes, memory unit {best.curve.unit} byte(s)"

@@ -19,35 +19,30 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from ortools.sat.python import cp_model
 
-from ckptplan import remat as _remat
 from ckptplan.build import solver_plan
-from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
+from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import simulate
-from ckptplan.solvers import blocks
-from ckptplan.solvers.cpsat import (
-    configure,
-    extract_regions,
-    fix_plan,
-    hint_complete,
-    solve_interruptibly,
-    stopped,
-)
+from ckptplan.solvers import blocks, registry
+from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.cpsat import configure, extract_regions, fix_plan, hint_complete, solve_interruptibly
 from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, LazyResult, proof_search, search_lazily
-from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, build_model, region_window
+from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, build_model, region_window
+from ckptplan.solvers.least import least_of
 from ckptplan.solvers.refine import Moves, add_keeps, shed_keeps, simplify
-from ckptplan.solvers.registry import get_solver, register
+from ckptplan.solvers.registry import get_solver
 from ckptplan.solvers.sqrt import least_peak_regions
 from ckptplan.units import describe_bytes
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIME_LIMIT = 60.0  # seconds, when the caller gives none
+DEFAULT_TIME_LIMIT = registry.default_seconds("ilp")  # seconds, when the caller gives none
 WARM_SOLVERS = ("dp", "sqrt")
 # CP-SAT's deterministic clock ran at 0.4-0.6 of wall time on the examples here (2 cores); a
 # limit of 0.3 of the time left stops the search on that clock well before the wall clock.
@@ -93,6 +88,9 @@ LARGE_SIMULATE_SECONDS_PER_NODE = 40e-6
 QUICK_PROOF_MAX_NODES = 1_200
 SLOW_PROOF_MIN_SECONDS = 100.0
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
+# Of the time limit, when no warm plan fits: the search for the least peak (``least_peak``), whose
+# plan then starts the search, or whose peak the infeasible budget's error states.
+LEAST_SHARE = 0.5
 HIERARCHICAL_SHARE = 0.25  # of the time limit, without a proof phase to follow: the block-by-block warm start
 # The proof phase (``ilp_lazy`` with ``proof_workers()``) runs on the time the reproducible search leaves,
 # if at least this much: CP-SAT's portfolio needs seconds to start raising its bound
@@ -127,6 +125,7 @@ def improve_locally(
     v: IlpVars,
     regions: tuple[Region, ...],
     budget_bytes: int,
+    ctx: SolveContext,
     *,
     deadline: float,
     deterministic_seconds: float,
@@ -139,9 +138,9 @@ def improve_locally(
     small solve runs to optimality or a deterministic limit, so the result is reproducible."""
     found = [regions]  # the incumbent, kept current so that Ctrl-C loses nothing
     try:
-        _sweeps(model, graph, v, found, budget_bytes, deadline=deadline, clock=deterministic_seconds, seed=seed)
+        _sweeps(model, graph, v, found, budget_bytes, ctx, deadline=deadline, clock=deterministic_seconds, seed=seed)
     except KeyboardInterrupt:  # Ctrl-C between two small solves (solve_interruptibly takes it during one)
-        stopped.set()
+        ctx.cancel.set()
     return simplify(graph, found[0], budget_bytes)
 
 
@@ -151,6 +150,7 @@ def _sweeps(
     v: IlpVars,
     found: list[tuple[Region, ...]],
     budget_bytes: int,
+    ctx: SolveContext,
     *,
     deadline: float,
     clock: float,
@@ -170,9 +170,9 @@ def _sweeps(
             solver = cp_model.CpSolver()
             configure(solver, wall_seconds=deadline - time.perf_counter(),
                       deterministic_seconds=min(LNS_DETERMINISTIC_SECONDS, clock), workers=1, seed=seed)
-            code = solve_interruptibly(solver, sub)
+            code = solve_interruptibly(solver, sub, ctx)
             clock -= solver.ResponseProto().deterministic_time
-            if stopped.is_set():
+            if ctx.cancelled:
                 return
             if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 continue
@@ -183,76 +183,43 @@ def _sweeps(
                 found[0] = best
 
 
-def model_peak(
-    graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None, bounding: bool = False,
-    remat: tuple[str, ...] = (),
-) -> int:
-    """The least peak the model allows for one fixed one-level plan rematerialising ``remat``
-    (tests compare it with ``simulate``: they must agree). ``bounding``: with
-    ``IlpVars.bounding_clauses`` added, which must change nothing."""
-    return _fixed_optimum(graph, regions, window, lambda v: v.peak, bounding=bounding, remat=remat)
+class LeastPeak(NamedTuple):
+    """The least peak a search found, whether it is proven least, and the plan reaching it."""
 
-
-def model_cost(
-    graph: ComputeGraph, regions: tuple[Region, ...], *, window: int | None = None, budget_bytes: int | None = None,
-    bounding: bool = False, remat: tuple[str, ...] = (),
-) -> float:
-    """The least cost (seconds) the model allows for one fixed one-level plan within
-    ``budget_bytes`` (tests compare it with ``simulate``'s ``cost_seconds`` at the simulated
-    peak: they must agree up to ``COST_SCALE`` rounding). ``bounding`` and ``remat`` as for
-    ``model_peak``."""
-    return _fixed_optimum(
-        graph, regions, window, lambda v: v.cost, budget_bytes, bounding=bounding, remat=remat
-    ) / COST_SCALE
-
-
-def _fixed_optimum(
-    graph: ComputeGraph, regions: tuple[Region, ...], window: int | None,
-    objective: Callable[[IlpVars], cp_model.LinearExprT], budget_bytes: int | None = None, *, bounding: bool = False,
-    remat: tuple[str, ...] = (),
-) -> int:
-    """The least value of ``objective`` over the model with ``regions``' decisions fixed (and
-    ``remat``'s, among every rematerialisation candidate when it names any)."""
-    candidates = _remat.candidates(graph) if remat else ()
-    model, v = build_model(graph, budget_bytes, window=window, remat=candidates)
-    if bounding:
-        add_bounding_clauses(model, v)
-    fix_plan(model, graph, v, tuple(regions), remat=tuple(remat))
-    target = objective(v)
-    model.Minimize(target)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    stopped.clear()
-    code = solve_interruptibly(solver, model)
-    if stopped.is_set():
-        raise KeyboardInterrupt
-    if code != cp_model.OPTIMAL:
-        raise CkptPlanError(f"the ilp model has no value for this plan ({solver.StatusName(code)})")
-    return int(solver.Value(target))
+    peak_bytes: int
+    proven: bool
+    regions: tuple[Region, ...]
 
 
 def least_peak(
     graph: ComputeGraph,
+    ctx: SolveContext,
     *,
-    time_limit: float,
     deterministic_seconds: float,
     workers: int,
     seed: int,
     window: int | None,
-) -> tuple[int, bool]:
-    """(peak, proven): the least peak one-level plans with keep-sets reach when ``proven``, else
-    the least the search found in its time (a plan reaching it exists either way). The search
-    starts from ``sqrt``'s least-peak plan, so a short one still reports at least that."""
+) -> LeastPeak:
+    """The least peak one-level plans with keep-sets reach (``proven``), else the least the search
+    found within ``ctx``, with the plan that reaches it (simulated). The search starts from
+    ``sqrt``'s least-peak plan, so a short one still reports at least that; so does a ``ctx``
+    whose limit cannot pay for building the model twice (``BUILD_SECONDS_PER_PAIR``), which
+    skips the search."""
     start, start_peak = least_peak_regions(graph)
+    if ctx.limit < 2 * BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, window):
+        return LeastPeak(start_peak, False, start)
     model, v = build_model(graph, None, window=window)
     model.Minimize(v.peak)
-    hint_complete(model, graph, v, start)
+    hint_complete(model, graph, v, start, ctx)
     solver = cp_model.CpSolver()
-    configure(solver, wall_seconds=time_limit, deterministic_seconds=deterministic_seconds, workers=workers, seed=seed)
-    code = solve_interruptibly(solver, model)
+    configure(solver, wall_seconds=ctx.left(), deterministic_seconds=deterministic_seconds, workers=workers, seed=seed)
+    code = solve_interruptibly(solver, model, ctx)
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return min(int(solver.Value(v.peak)), start_peak), code == cp_model.OPTIMAL
-    return start_peak, False
+        regions = extract_regions(graph, v, solver.Value)
+        peak = simulate(graph, regions).peak_bytes
+        if peak <= start_peak:
+            return LeastPeak(peak, code == cp_model.OPTIMAL, regions)
+    return LeastPeak(start_peak, False, start)
 
 
 def warm_solvers(graph: ComputeGraph) -> tuple[str, ...]:
@@ -262,25 +229,27 @@ def warm_solvers(graph: ComputeGraph) -> tuple[str, ...]:
 
 
 def warm_plans(
-    graph: ComputeGraph, budget_bytes: int, time_limit: float, names: Sequence[str] = WARM_SOLVERS
+    graph: ComputeGraph, budget_bytes: int, ctx: SolveContext, names: Sequence[str] = WARM_SOLVERS,
+    *, errors: list[InfeasibleBudgetError] | None = None,
 ) -> list[Plan]:
-    """The plans of the solvers ``names`` within ``budget_bytes``, leaving out those that find none.
-    (``sqrt`` and ``dp`` plan no region across an FSDP unit edge, so these run as they are.)"""
+    """The plans of the solvers ``names`` within ``budget_bytes``, leaving out those that find none
+    (their errors go to ``errors`` when given). (``sqrt`` and ``dp`` plan no region across an
+    FSDP unit edge, so these run as they are.)"""
     plans = []
     for name in names:
         try:
-            plans.append(get_solver(name)(graph, budget_bytes, time_limit=time_limit))
-        except InfeasibleBudgetError:
-            continue
+            plans.append(get_solver(name)(graph, budget_bytes, ctx))
+        except InfeasibleBudgetError as exc:
+            if errors is not None:
+                errors.append(exc)
     return plans
 
 
-@register("ilp")
 def solve_ilp(
     graph: ComputeGraph,
     budget_bytes: int,
+    ctx: SolveContext | None = None,
     *,
-    time_limit: float | None = None,
     workers: int = 1,
     seed: int = 0,
     window: int | None = None,
@@ -301,68 +270,76 @@ def solve_ilp(
     blocks, are searched whole (``solve_flat``) with the block-by-block plan among the warm starts.
     Ctrl-C at any point keeps the cheapest plan made so far (status ``timeout``; ``sqrt``'s when
     none was made yet): during a CP-SAT search that search ends with its best plan, and before
-    one the phases left are skipped.
+    one the phases left are skipped. ``ctx.limit`` sizes the phases; they end by ``ctx.deadline``
+    (None: ``DEFAULT_TIME_LIMIT`` from now).
     """
     started = time.perf_counter()
-    stopped.clear()
+    ctx = ctx if ctx is not None else SolveContext.limited(DEFAULT_TIME_LIMIT)
     made = list(warm or ())  # every plan made so far that fits the budget
     try:
         log.info("ilp: %d nodes, up to %.0f s; Ctrl-C stops early and keeps the best plan so far", len(graph.nodes),
-                 DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
-        return _solve_ilp(graph, budget_bytes, made, started=started, time_limit=time_limit, workers=workers,
-                          seed=seed, window=window, warm=warm)
+                 min(ctx.limit, ctx.left()))
+        return _solve_ilp(graph, budget_bytes, made, ctx, workers=workers, seed=seed, window=window, warm=warm)
     except KeyboardInterrupt:
-        stopped.set()
-        return _interrupted(graph, budget_bytes, made, started)
+        ctx.cancel.set()
+        return _interrupted(graph, budget_bytes, made, started, ctx)
 
 
 def _solve_ilp(
     graph: ComputeGraph,
     budget_bytes: int,
     made: list[Plan],
+    ctx: SolveContext,
     *,
-    started: float,
-    time_limit: float | None,
     workers: int,
     seed: int,
     window: int | None,
     warm: Sequence[Plan] | None,
 ) -> Plan:
     """``solve_ilp``'s phases, each plan they make added to ``made`` (which starts as ``warm``);
-    a Ctrl-C that a CP-SAT search of the block-by-block phase took (``stopped``) raises
+    a Ctrl-C that a CP-SAT search of the block-by-block phase took (``ctx.cancel``) raises
     ``KeyboardInterrupt`` again before the next phase."""
-    limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    limit = ctx.limit
     if budget_bytes >= graph.baseline_peak_bytes:
-        return solve_flat(graph, budget_bytes, time_limit=limit)
+        return solve_flat(graph, budget_bytes, ctx)
     large, provable = len(graph.nodes) > FLAT_MAX_NODES, proof_follows(graph, limit)
     if large and not provable:
         longer = warm is not None and limit >= LARGE_POLICY_MIN_SECONDS
-        plan = solve_hierarchical(graph, budget_bytes, time_limit=limit, warm=warm,
+        plan = solve_hierarchical(graph, budget_bytes, ctx, warm=warm,
                                   policy_share=LARGE_POLICY_SHARE if longer else POLICY_SHARE)
         if plan is not None:
             made.append(plan)
-            return keep_more(graph, plan, budget_bytes, limit=limit)
+            return keep_more(graph, plan, budget_bytes, ctx)
     share = blocks_share(graph, limit)
     try:
-        by_blocks = solve_hierarchical(graph, budget_bytes, time_limit=limit * share, warm=())
+        by_blocks = solve_hierarchical(graph, budget_bytes, ctx.within(limit * share), warm=())
     except InfeasibleBudgetError:
         by_blocks = None
-    if warm is None and not stopped.is_set():
-        made.extend(warm_plans(graph, budget_bytes, limit, names=warm_solvers(graph)))
+    warm_errors: list[InfeasibleBudgetError] = []
+    if warm is None and not ctx.cancelled:
+        made.extend(warm_plans(graph, budget_bytes, ctx, names=warm_solvers(graph), errors=warm_errors))
     if by_blocks is not None:
         made.append(by_blocks)
-    if stopped.is_set():  # a CP-SAT search of the block-by-block phase took a Ctrl-C
+    if ctx.cancelled:  # a CP-SAT search of the block-by-block phase took a Ctrl-C
         raise KeyboardInterrupt
-    return solve_flat(  # starts from every plan made: the warm ones, then the block-by-block one
-        graph, budget_bytes, time_limit=limit * (1 - share), workers=workers, seed=seed,
-        window=window, warm=made, deadline=started + limit, proof_only=provable and by_blocks is not None,
-    )
+    try:
+        return solve_flat(  # starts from every plan made: the warm ones, then the block-by-block one
+            graph, budget_bytes, ctx, search_seconds=limit * (1 - share), workers=workers, seed=seed,
+            window=window, warm=made, proof_only=provable and by_blocks is not None,
+        )
+    except InfeasibleBudgetError as exc:
+        # The least peak ilp states is the least of every plan it could return: its own one-level
+        # plans' and the warm solvers' (a nested dp plan may peak lower).
+        leasts = [e for e in warm_errors if isinstance(e.least_plan, Plan)]
+        if not any(e.min_peak_bytes < exc.min_peak_bytes for e in leasts):
+            raise
+        return least_of([exc, *leasts], budget_bytes, "No ilp plan fits")
 
 
-def _interrupted(graph: ComputeGraph, budget_bytes: int, made: list[Plan], started: float) -> Plan:
+def _interrupted(graph: ComputeGraph, budget_bytes: int, made: list[Plan], started: float, ctx: SolveContext) -> Plan:
     """The cheapest of ``made`` (else ``sqrt``'s plan) as ``solve_ilp``'s answer to a Ctrl-C that
     came before its search could return one; ``KeyboardInterrupt`` again when there is none."""
-    plans = made or warm_plans(graph, budget_bytes, 0.0, names=("sqrt",))
+    plans = made or warm_plans(graph, budget_bytes, ctx.within(0.0), names=("sqrt",))
     if not plans:
         raise KeyboardInterrupt
     best = min(plans, key=lambda p: p.prediction.cost_seconds)
@@ -392,32 +369,34 @@ def blocks_share(graph: ComputeGraph, limit: float) -> float:
 def solve_hierarchical(
     graph: ComputeGraph,
     budget_bytes: int,
+    ctx: SolveContext,
     *,
-    time_limit: float | None = None,
     warm: Sequence[Plan] | None = None,
     policy_share: float = POLICY_SHARE,
 ) -> Plan | None:
     """``solvers.blocks`` on ``graph``; None when it has no repeated blocks. ``policy_share`` of
-    the time limit goes to finding block policies; ``warm`` plans (default: ``sqrt``'s, made
+    ``ctx.limit`` goes to finding block policies; ``warm`` plans (default: ``sqrt``'s, made
     after them) are returned instead when cheaper, or when the decomposition finds no plan."""
     started = time.perf_counter()
-    limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
-    stopped.clear()
-    found = blocks.decompose(graph, seconds=limit * policy_share)
+    found = blocks.decompose(graph, ctx.within(ctx.limit * policy_share))
     if found is None:
         return None
     dec, windows = found
-    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit, names=("sqrt",))
+    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, ctx, names=("sqrt",))
     result = blocks.solve_blocks(graph, budget_bytes, dec, windows)
     note = f"{HIERARCHICAL}: {dec.describe()}"
     if result is None:
         if not warm:
-            least = blocks.least_peak(graph, dec, windows)
+            least, regions = blocks.least_peak(graph, dec, windows)
+            info = SolverInfo(name="ilp", status="feasible", seconds=time.perf_counter() - started,
+                              note=f"{note}; the least-peak choice of block policies")
+            least_plan = solver_plan(graph, regions, max(least, budget_bytes), info)
+            if least <= budget_bytes:
+                return least_plan
             raise InfeasibleBudgetError(
                 f"Budget {describe_bytes(budget_bytes)} is below the least peak the block-by-block ilp reaches, "
                 f"{describe_bytes(least)}; raise the budget or try --solver dp (nested regions).",
-                budget_bytes=budget_bytes,
-                min_peak_bytes=max(least, budget_bytes + 1),
+                budget_bytes=budget_bytes, min_peak_bytes=least, least_plan=least_plan,
             )
         best = min(warm, key=lambda p: p.prediction.cost_seconds)
         return best.model_copy(update={"solver": SolverInfo(
@@ -437,22 +416,22 @@ def solve_hierarchical(
     return plan
 
 
-def keep_more(graph: ComputeGraph, plan: Plan, budget_bytes: int, *, limit: float) -> Plan:
-    """``plan`` after ``refine.add_keeps`` with ``LARGE_REFINE_SHARE`` of ``limit`` in moves (at
+def keep_more(graph: ComputeGraph, plan: Plan, budget_bytes: int, ctx: SolveContext) -> Plan:
+    """``plan`` after ``refine.add_keeps`` with ``LARGE_REFINE_SHARE`` of ``ctx.limit`` in moves (at
     ``LARGE_SIMULATE_SECONDS_PER_NODE`` each); ``plan`` itself when it is nested, when no keep
     both fits and recomputes less, or on Ctrl-C (during the moves or before them).
 
     The block-by-block plan picks each block's policy from a menu of whole-block solves; a keep
     added where another block's backward leaves room is a choice the menu cannot make
     (GPT-3 at 80 GB: 18.6% of the step with auto's 30 s, 18.2% after its 24 moves)."""
-    if stopped.is_set() or any(region.children for region in plan.regions):
+    if ctx.over() or any(region.children for region in plan.regions):
         return plan
     started = time.perf_counter()
-    count = int(LARGE_REFINE_SHARE * limit / (LARGE_SIMULATE_SECONDS_PER_NODE * len(graph.nodes)))
+    count = int(LARGE_REFINE_SHARE * ctx.limit / (LARGE_SIMULATE_SECONDS_PER_NODE * len(graph.nodes)))
     try:
         regions = add_keeps(graph, plan.regions, budget_bytes, moves=Moves(count))
     except KeyboardInterrupt:
-        stopped.set()
+        ctx.cancel.set()
         return plan
     if regions == plan.regions:
         return plan
@@ -472,24 +451,23 @@ def _gap(optimal: bool, cost: float, bound: float) -> float:
 def solve_flat(
     graph: ComputeGraph,
     budget_bytes: int,
+    ctx: SolveContext,
     *,
-    time_limit: float | None = None,
+    search_seconds: float | None = None,
     workers: int = 1,
     seed: int = 0,
     window: int | None = None,
     warm: Sequence[Plan] | None = None,
     announce: bool = True,
-    deadline: float | None = None,
     lazy: bool = True,
     proof_only: bool = False,
 ) -> Plan:
     """``solve_ilp`` on the whole graph as one CP-SAT model.
 
-    ``time_limit`` (seconds, default ``DEFAULT_TIME_LIMIT``) bounds the reproducible search
+    ``search_seconds`` (default ``ctx.limit``) bounds the reproducible search
     (``ilp_lazy.search_lazily`` with ``workers``, then ``improve_locally``), and sets its
-    deterministic clock; ``deadline`` (a ``time.perf_counter()`` value), the end of the caller's
-    own limit, can end that search sooner on the wall clock, and the proof phase (the same
-    search with ``proof_workers()``) runs until it (the caller's time not spent before this call).
+    deterministic clock; ``ctx``'s deadline can end that search sooner on the wall clock, and the
+    proof phase (the same search with ``proof_workers()``) runs until it.
     With ``workers=1`` (the default) and a fixed ``seed`` the search is reproducible (see
     ``configure``); more workers usually find cheaper plans in the same time. Status:
     ``optimal`` (proven for this plan space), ``feasible`` with the proven relative gap, or
@@ -499,18 +477,21 @@ def solve_flat(
     reproducible search states every memory row up front (``solvers.blocks`` on small blocks
     and short clocks, where restarting after each broken row costs more than it saves); so does
     it when no warm plan is one-level and fits. ``proof_only``: no reproducible search, the proof
-    phase starts from the refined warm plans at once and runs until ``deadline``.
+    phase starts from the refined warm plans at once and runs until ``ctx``'s deadline.
     """
     started = time.perf_counter()
-    limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
-    end = started + limit if deadline is None else min(started + limit, deadline)
+    limit = ctx.limit if search_seconds is None else search_seconds
+    end = min(started + limit, ctx.deadline)
     if budget_bytes >= graph.baseline_peak_bytes:
         return solver_plan(
             graph, (), budget_bytes,
             SolverInfo(name="ilp", status="optimal", seconds=time.perf_counter() - started, gap=0.0,
                        note="the budget holds the step without checkpointing"),
         )
-    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, limit)
+    warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, ctx)
+    if not warm:
+        warm = [_least_plan(graph, budget_bytes, ctx.within(limit * LEAST_SHARE), workers=workers, seed=seed,
+                            window=window)]
     refine_seconds = max(REFINE_MIN_SECONDS, limit * REFINE_SHARE)
     start = starting_plan(graph, warm, budget_bytes,
                           moves=Moves(int(refine_seconds / (SIMULATE_SECONDS_PER_NODE * len(graph.nodes)))))
@@ -518,7 +499,7 @@ def solve_flat(
     # not (ilp_speed at 60 s: without the reserve the search left GPT at 50% 9 s, no proof).
     reserve = PROOF_SHARE * limit if PROOF_SHARE * limit >= MIN_PROOF_SECONDS else 0.0
     clock = (limit - reserve) * DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not left: reproducible
-    last = end if deadline is None else deadline  # where the proof phase ends
+    last = ctx.deadline  # where the proof phase ends
     build_seconds = BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, window)
     found = None
     if start is not None and not proof_only and limit - reserve < 2 * build_seconds:
@@ -526,19 +507,20 @@ def solve_flat(
         how = (f"no CP-SAT search: too little time to build its model (about {build_seconds:.1f} s, twice), "
                "so the refined warm plan")
     elif proof_only and start is not None:
-        found, regions = _proof_phase(graph, budget_bytes, start, seconds=max(0.1, last - time.perf_counter()),
+        found, regions = _proof_phase(graph, budget_bytes, start, ctx, seconds=max(0.1, last - time.perf_counter()),
                                       seed=seed, window=window, bound=0.0, announce=announce)
         status, bound = found.status, found.bound
         blocks_note = next((f" ({p.solver.note})" for p in warm if _origin(p) == HIERARCHICAL), "")
         how = f"proof phase on the whole graph from the cheapest warm plan{blocks_note}: {found.describe()}"
     else:
-        found, regions = _search(graph, budget_bytes, start, search_end=end - reserve, clock=clock, workers=workers,
-                                 seed=seed, window=window, announce=announce, lazy=lazy, model_seconds=build_seconds)
+        found, regions = _search(graph, budget_bytes, start, ctx, search_end=end - reserve, clock=clock,
+                                 workers=workers, seed=seed, window=window, announce=announce, lazy=lazy,
+                                 model_seconds=build_seconds)
         status, bound = found.status, found.bound
         how = f"search: {found.describe()}"
         left = last - time.perf_counter()
-        if status == "FEASIBLE" and not stopped.is_set() and left >= MIN_PROOF_SECONDS:
-            proof, regions = _proof_phase(graph, budget_bytes, regions, seconds=left, seed=seed, window=window,
+        if status == "FEASIBLE" and not ctx.cancelled and left >= MIN_PROOF_SECONDS:
+            proof, regions = _proof_phase(graph, budget_bytes, regions, ctx, seconds=left, seed=seed, window=window,
                                           bound=bound, announce=announce)
             if proof.status == "OPTIMAL":
                 status = "OPTIMAL"
@@ -549,32 +531,14 @@ def solve_flat(
         size += f", {found.variables} variables, {found.constraints} constraints"
     if region_window(graph, window) < len(graph.nodes):
         size += f", regions of at most {region_window(graph, window)} nodes"
-    if regions is None:
-        if status == "INFEASIBLE":
-            least, proven = least_peak(graph, time_limit=end - time.perf_counter(), deterministic_seconds=clock,
-                                       workers=workers, seed=seed, window=window)
-            reach = (
-                f"the least peak one-level plans with keep-sets reach, {describe_bytes(least)}" if proven else
-                f"what one-level plans with keep-sets reach (the least found in {limit:g} s: {describe_bytes(least)}, "
-                "not proven least)"
-            )
-            raise InfeasibleBudgetError(
-                f"Budget {describe_bytes(budget_bytes)} is below {reach}; raise the budget or try --solver dp "
-                "(nested regions).",
-                budget_bytes=budget_bytes,
-                min_peak_bytes=max(least, budget_bytes + 1),
-            )
-        if not warm:
-            raise InfeasibleBudgetError(
-                f"The ilp solver found no plan within {describe_bytes(budget_bytes)} in {limit:g} s; "
-                "raise the time limit or the budget.",
-                budget_bytes=budget_bytes,
-                min_peak_bytes=budget_bytes + 1,
-            )
+    if regions is None:  # no one-level plan (proven, when a warm plan is nested), or none in time
         fallback = min(warm, key=lambda p: p.prediction.cost_seconds)
-        note = f"no ilp plan within {limit:g} s ({size}); returning the {_origin(fallback)} plan"
+        if status == "INFEASIBLE":
+            status, note = "feasible", f"no one-level plan fits ({size}); returning the {_origin(fallback)} plan"
+        else:
+            status, note = "timeout", f"no ilp plan within {limit:g} s ({size}); returning the {_origin(fallback)} plan"
         return fallback.model_copy(update={"solver": SolverInfo(
-            name="ilp", status="timeout", seconds=time.perf_counter() - started, note=note)})
+            name="ilp", status=status, seconds=time.perf_counter() - started, note=note)})
     plan = solver_plan(graph, regions, budget_bytes, SolverInfo(name="ilp", status="feasible", seconds=0.0))
     better_warm = [p for p in warm if p.prediction.cost_seconds < plan.prediction.cost_seconds]
     if better_warm:
@@ -591,10 +555,36 @@ def solve_flat(
         gap=gap, note=note)})
 
 
+def _least_plan(
+    graph: ComputeGraph, budget_bytes: int, ctx: SolveContext, *, workers: int, seed: int, window: int | None
+) -> Plan:
+    """Where the search starts when no warm plan fits: the plan of least peak ``least_peak`` finds
+    in ``ctx`` (on CP-SAT's deterministic clock, so the same on every run), when it fits; else
+    ``InfeasibleBudgetError`` stating that plan's peak, which a solve at that budget reaches."""
+    least = least_peak(graph, ctx, deterministic_seconds=ctx.limit * DETERMINISTIC_SECONDS_PER_SECOND,
+                       workers=workers, seed=seed, window=window)
+    info = SolverInfo(name="ilp", status="optimal" if least.proven else "feasible", seconds=0.0,
+                      note="the least peak one-level plans with keep-sets reach" if least.proven else
+                      "the least peak the search for it found")
+    plan = solver_plan(graph, least.regions, max(budget_bytes, least.peak_bytes), info)
+    if least.peak_bytes <= budget_bytes:
+        return plan
+    reach = (
+        f"the least peak one-level plans with keep-sets reach, {describe_bytes(least.peak_bytes)}" if least.proven
+        else f"the least peak found for one-level plans with keep-sets in {ctx.limit:.3g} s, "
+             f"{describe_bytes(least.peak_bytes)} (not proven least)"
+    )
+    raise InfeasibleBudgetError(
+        f"Budget {describe_bytes(budget_bytes)} is below {reach}; raise the budget or try --solver dp (nested regions).",
+        budget_bytes=budget_bytes, min_peak_bytes=least.peak_bytes, least_plan=plan,
+    )
+
+
 def _proof_phase(
     graph: ComputeGraph,
     budget_bytes: int,
     regions: tuple[Region, ...],
+    ctx: SolveContext,
     *,
     seconds: float,
     seed: int,
@@ -605,8 +595,8 @@ def _proof_phase(
     """The lazy search with CP-SAT's portfolio (``proof_workers()``) from ``regions`` for
     ``seconds``: its result, and the plan it ends with (``regions`` unless it found a strictly
     cheaper one, which is simplified until ``SIMPLIFY_GRACE`` of ``seconds`` past them)."""
-    deadline = time.perf_counter() + seconds * (1 + SIMPLIFY_GRACE)
-    proof = proof_search(graph, budget_bytes, regions, seconds=seconds, seed=seed, window=window, bound=bound,
+    deadline = min(time.perf_counter() + seconds * (1 + SIMPLIFY_GRACE), ctx.deadline)
+    proof = proof_search(graph, budget_bytes, regions, ctx, seconds=seconds, seed=seed, window=window, bound=bound,
                          announce=announce)
     if proof.regions == regions:
         return proof, regions
@@ -617,6 +607,7 @@ def _search(
     graph: ComputeGraph,
     budget_bytes: int,
     start: tuple[Region, ...] | None,
+    ctx: SolveContext,
     *,
     search_end: float,
     clock: float,
@@ -633,7 +624,8 @@ def _search(
     building its model, the whole one, should take) is left. Returns the lazy search's result
     and the plan after both (None when neither found one)."""
     found = search_lazily(
-        graph, budget_bytes, start, seconds=max(0.1, search_end - time.perf_counter()) * GLOBAL_SHARE, workers=workers,
+        graph, budget_bytes, start, ctx, seconds=max(0.1, search_end - time.perf_counter()) * GLOBAL_SHARE,
+        workers=workers,
         deterministic_seconds=clock * GLOBAL_SHARE, seed=seed, window=window, announce=announce,
         # Without a plan to start from, the whole model: its presolve proves an infeasible budget
         # at once, where the relaxation must first gain rows (ViT at 70% with 2 s: no answer).
@@ -643,11 +635,11 @@ def _search(
     if regions is not None and regions != start:
         regions = simplify(graph, regions, budget_bytes)
     # With less time left than its model takes to build, the local search would not free one window.
-    if found.status == "FEASIBLE" and not stopped.is_set() and search_end - time.perf_counter() > model_seconds:
+    if found.status == "FEASIBLE" and not ctx.cancelled and search_end - time.perf_counter() > model_seconds:
         model, v = build_model(graph, budget_bytes, window=window)
         model.Minimize(v.cost)
         regions = improve_locally(
-            model, graph, v, regions, budget_bytes, deadline=search_end,
+            model, graph, v, regions, budget_bytes, ctx, deadline=search_end,
             deterministic_seconds=clock * (1 - GLOBAL_SHARE), seed=seed,
         )
     return found, regions

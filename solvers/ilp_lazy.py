@@ -41,6 +41,7 @@ from ortools.sat.python import cp_model
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Region
 from ckptplan.simulation import Report, simulate
+from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import (
     FULL_PORTFOLIO_WORKERS,
     MIN_WALL_SECONDS,
@@ -48,7 +49,6 @@ from ckptplan.solvers.cpsat import (
     extract_regions,
     hint_complete,
     solve_interruptibly,
-    stopped,
 )
 from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, add_events, build_model
 
@@ -182,6 +182,7 @@ def proof_search(
     graph: ComputeGraph,
     budget_bytes: int,
     regions: tuple[Region, ...] | None,
+    ctx: SolveContext,
     *,
     seconds: float,
     seed: int = 0,
@@ -197,11 +198,11 @@ def proof_search(
                "announce": announce, "seeded_rows": PROOF_SEEDED_ROWS, "rows_per_round": PROOF_ROWS_PER_ROUND}
     fewer = fewer_of_a_class(graph, regions) if regions is not None else None
     if fewer is None:
-        return search_lazily(graph, budget_bytes, regions, **options)
+        return search_lazily(graph, budget_bytes, regions, ctx, **options)
     name = graph.nodes[fewer.nodes[0]].name
     log.log(logging.INFO if announce else logging.DEBUG, "ilp: the plan's cost is recomputing %d of the %d nodes "
             "like %s; the proof phase searches the plans recomputing fewer", fewer.most + 1, len(fewer.nodes), name)
-    found = search_lazily(graph, budget_bytes, regions, within=fewer, **options)
+    found = search_lazily(graph, budget_bytes, regions, ctx, within=fewer, **options)
     note = (f"searched the plans recomputing fewer than {fewer.most + 1} of the {len(fewer.nodes)} nodes like "
             f"{name}, the others costing at least as much")
     return dataclasses.replace(found, split=note)
@@ -250,6 +251,7 @@ def search_lazily(
     graph: ComputeGraph,
     budget_bytes: int,
     regions: tuple[Region, ...] | None,
+    ctx: SolveContext,
     *,
     seconds: float,
     workers: int,
@@ -272,9 +274,10 @@ def search_lazily(
     the most bytes; ``rows_per_round``: how many of the rows a plan breaks join after it (the
     fullest; None: all). ``within``: search only the plans in that range (``regions`` then
     only bounds the cost, and hints the search if it lies in the range; a range without plans
-    ends ``OPTIMAL``: none is cheaper). Ctrl-C ends the search with the best plan so far."""
+    ends ``OPTIMAL``: none is cheaper). Ctrl-C ends the search with the best plan so far, and so
+    does ``ctx``'s deadline when it comes before ``seconds`` have passed."""
     started = time.perf_counter()
-    deadline = started + seconds
+    deadline = min(started + seconds, ctx.deadline)
     model, v = build_model(graph, budget_bytes, window=window, deferred_phases=deferred_phases)
     if deferred_phases:  # the relaxation's bound rests on them; the whole model's search does better without
         add_bounding_clauses(model, v)
@@ -295,7 +298,7 @@ def search_lazily(
             model.Add(v.cost <= math.floor(best_cost * COST_SCALE) + slack)
     clock = deterministic_seconds if workers == 1 else None
     status, rounds = "UNKNOWN", 0
-    while not stopped.is_set():
+    while not ctx.cancelled:
         left = deadline - time.perf_counter()
         if clock is not None and clock < MIN_CLOCK_SECONDS:
             break
@@ -305,7 +308,7 @@ def search_lazily(
             break
         rounds += 1
         if hinted is not None:
-            hint_complete(model, graph, v, hinted)
+            hint_complete(model, graph, v, hinted, ctx)
             left = deadline - time.perf_counter()  # completing the hint solves a copy of the model
         solver = cp_model.CpSolver()
         configure(solver, wall_seconds=left, deterministic_seconds=left if clock is None else clock,
@@ -316,9 +319,9 @@ def search_lazily(
                     "ilp: %d worker(s), round %d, %d of %d backward and recompute rows in the model, up to %.0f s; "
                     "Ctrl-C stops early and keeps the best plan", workers, rounds, deferred - len(v.deferred),
                     deferred, solver.parameters.max_time_in_seconds)
-            code = solve_interruptibly(solver, model, watcher)
+            code = solve_interruptibly(solver, model, ctx, watcher)
         except KeyboardInterrupt:  # pressed as this was announced, before the search began
-            stopped.set()
+            ctx.cancel.set()
             break
         model.ClearHints()
         if clock is not None:

@@ -1,41 +1,77 @@
-"""Solvers by name. A solver is a pure function ``(graph, budget_bytes, *, time_limit) -> Plan``
-over a frozen ``ComputeGraph``; it never imports torch."""
+"""Solvers by name. A solver is a function ``(graph, budget_bytes, ctx) -> Plan`` over a frozen
+``ComputeGraph``, run under a ``SolveContext`` (``solvers.context``); none imports torch.
+
+The built-in solvers are listed here, each with the time it takes when the caller sets no
+limit, and imported when first asked for; ``register`` adds a user's solver beside them.
+"""
 
 from __future__ import annotations
 
+import importlib
+import math
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from ckptplan.errors import UnknownSolverError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan
 
+if TYPE_CHECKING:
+    from ckptplan.solvers.context import SolveContext
+
 
 class Solver(Protocol):
-    def __call__(self, graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None) -> Plan: ...
+    def __call__(self, graph: ComputeGraph, budget_bytes: int, ctx: SolveContext) -> Plan: ...
 
 
-_SOLVERS: dict[str, Solver] = {}
+@dataclass(frozen=True)
+class _Entry:
+    module: str  # where the function lives, imported on first use
+    function: str
+    default_seconds: float  # its time when the caller gives no limit (inf: until it is done)
+
+
+# ``auto``'s and ``ilp``'s defaults: see ``docs/tuning.md`` ("Default time limits").
+_BUILTIN: dict[str, _Entry] = {
+    "auto": _Entry("ckptplan.solvers.auto", "solve_auto", 30.0),
+    "dp": _Entry("ckptplan.solvers.dp", "solve_dp", math.inf),
+    "ilp": _Entry("ckptplan.solvers.ilp", "solve_ilp", 60.0),
+    "sqrt": _Entry("ckptplan.solvers.sqrt", "solve_sqrt", math.inf),
+}
+_USER: dict[str, Solver] = {}
 
 
 def register(name: str) -> Callable[[Solver], Solver]:
+    """Decorate ``fn`` to make it the solver ``name`` (``solve(..., solver=name)``); it runs
+    until it returns when the caller gives no time limit."""
+
     def decorate(fn: Solver) -> Solver:
-        if name in _SOLVERS:
+        if name in _BUILTIN or name in _USER:
             raise ValueError(f"solver {name!r} is registered twice")
-        _SOLVERS[name] = fn
+        _USER[name] = fn
         return fn
 
     return decorate
 
 
 def get_solver(name: str) -> Solver:
+    entry = _BUILTIN.get(name)
+    if entry is not None:
+        return getattr(importlib.import_module(entry.module), entry.function)
     try:
-        return _SOLVERS[name]
+        return _USER[name]
     except KeyError:
         known = ", ".join(available_solvers())
         raise UnknownSolverError(f"Unknown solver {name!r}; choose one of: {known}.") from None
 
 
+def default_seconds(name: str) -> float:
+    """The time solver ``name`` takes when the caller gives no limit."""
+    entry = _BUILTIN.get(name)
+    return entry.default_seconds if entry is not None else math.inf
+
+
 def available_solvers() -> list[str]:
     """Registered solver names, ``auto`` first."""
-    return sorted(_SOLVERS, key=lambda name: (name != "auto", name))
+    return sorted({*_BUILTIN, *_USER}, key=lambda name: (name != "auto", name))

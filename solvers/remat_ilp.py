@@ -26,7 +26,8 @@ from ckptplan.build import solver_plan
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.simulation import Report, simulate
-from ckptplan.solvers.cpsat import configure, extract_regions, extract_remat, fix_plan, solve_interruptibly, stopped
+from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.cpsat import configure, extract_regions, extract_remat, fix_plan, solve_interruptibly
 from ckptplan.solvers.ilp import (
     BUILD_SECONDS_PER_PAIR,
     DETERMINISTIC_SECONDS_PER_SECOND,
@@ -55,23 +56,24 @@ def affordable(graph: ComputeGraph, seconds: float | None) -> bool:
 
 
 def search_with_remat(
-    graph: ComputeGraph, budget_bytes: int, start: Plan, *, time_limit: float, max_steps: int | None = None,
+    graph: ComputeGraph, budget_bytes: int, start: Plan, ctx: SolveContext, *, max_steps: int | None = None,
     seed: int = 0,
 ) -> Plan | None:
     """The cheapest plan a large-neighbourhood search of the joint model finds from ``start`` (a
-    plan of one level that fits ``budget_bytes``) in ``time_limit`` seconds, or None when it finds
+    plan of one level that fits ``budget_bytes``) in ``ctx.limit`` seconds, or None when it finds
     none cheaper. As ``ilp.improve_locally`` does for regions alone: free the decisions (region,
     keep and rematerialisation) of ``LNS_WINDOW`` nodes at a time (``_neighbourhoods``, dearest
     first), fix the rest to the incumbent, and move to any cheaper plan the simulator confirms
     (then rank the neighbourhoods again); stop when a whole round finds nothing, or after
-    ``max_steps`` steps (default ``time_limit / STEP_SECONDS``) or
+    ``max_steps`` steps (default ``ctx.limit / STEP_SECONDS``) or
     ``ilp.DETERMINISTIC_SECONDS_PER_SECOND`` of the limit on CP-SAT's deterministic clock: the same
     inputs give the same plan unless the wall clock, which only backs these up, ends it first."""
     started = time.perf_counter()
-    deadline = started + time_limit
+    time_limit = ctx.limit
+    deadline = min(started + time_limit, ctx.deadline)
     if any(r.children for r in start.regions):
         return None
-    log.info("remat: choosing regions and rematerialised ops together, up to %.0f s", time_limit)
+    log.info("remat: choosing regions and rematerialised ops together, up to %.0f s", min(time_limit, ctx.left()))
     # Regions at most a neighbourhood longer than the start's longest: each step frees one
     # neighbourhood, and a smaller model makes each step's copy and presolve cheaper.
     window = max(2 * LNS_WINDOW, max((r.end - r.start for r in start.regions), default=0) + LNS_WINDOW)
@@ -81,7 +83,7 @@ def search_with_remat(
     best, best_report, steps = (start.regions, start.remat), simulate(graph, start), 0
     most_steps = max(1, int(time_limit / STEP_SECONDS)) if max_steps is None else max_steps
     improved = True
-    while improved and clock > 0 and steps < most_steps and time.perf_counter() < deadline and not stopped.is_set():
+    while improved and clock > 0 and steps < most_steps and time.perf_counter() < deadline and not ctx.cancelled:
         improved = False
         for lo in _neighbourhoods(graph, best[0], best_report):
             if clock <= 0 or steps >= most_steps or time.perf_counter() >= deadline:
@@ -96,10 +98,10 @@ def search_with_remat(
             solver.parameters.max_presolve_iterations = 1
             solver.parameters.cp_model_probing_level = 0
             solver.parameters.symmetry_level = 0
-            code = solve_interruptibly(solver, sub)
+            code = solve_interruptibly(solver, sub, ctx)
             clock -= solver.ResponseProto().deterministic_time
             steps += 1
-            if stopped.is_set():
+            if ctx.cancelled:
                 break
             if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 continue

@@ -23,8 +23,8 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.sharding import split_at_unit_edges
 from ckptplan.simulation import Report, simulate
+from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.memo import graph_memo
-from ckptplan.solvers.registry import register
 from ckptplan.units import describe_bytes
 
 # How many thresholds B to try, spread geometrically between the largest single op's saved
@@ -69,30 +69,34 @@ def segment(graph: ComputeGraph, threshold_bytes: float, cuts: set[int]) -> list
     return segments
 
 
-@register("sqrt")
-def solve_sqrt(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None) -> Plan:
-    """Cheapest plan found by Chen's segmenting over the searched thresholds and cut sets."""
+def solve_sqrt(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None = None) -> Plan:
+    """Cheapest plan found by Chen's segmenting over the searched thresholds and cut sets
+    (all of them, or as many as ``ctx``'s time allows)."""
     started = time.perf_counter()
     n = len(graph.nodes)
     best: tuple[float, int, tuple[Region, ...], Report] | None = None
-    least_peak = None
+    least: tuple[int, int] | None = None  # (peak, candidate)
     scored = _scored(graph)
     for k, regions in enumerate(scored.candidates):
         report = scored.report(graph, k)
-        least_peak = report.peak_bytes if least_peak is None else min(least_peak, report.peak_bytes)
+        least = min(least or (report.peak_bytes, k), (report.peak_bytes, k))
         if report.peak_bytes > budget_bytes:
             continue
         key = (report.cost_seconds, report.peak_bytes)
         if best is None or key < best[:2]:
             best = (report.cost_seconds, report.peak_bytes, regions, report)
-        if time_limit is not None and time.perf_counter() - started > time_limit:
+        if ctx is not None and ctx.over():
             break
     if best is None:
+        least_peak, k = least
+        info = SolverInfo(name="sqrt", status="feasible", seconds=time.perf_counter() - started,
+                          note="the sqrt candidate of least peak")
         raise InfeasibleBudgetError(
             f"Budget {describe_bytes(budget_bytes)} is below the least peak the sqrt solver reaches, "
-            f"{describe_bytes(least_peak or 0)}; raise the budget or try another solver.",
+            f"{describe_bytes(least_peak)}; raise the budget or try another solver.",
             budget_bytes=budget_bytes,
-            min_peak_bytes=least_peak or 0,
+            min_peak_bytes=least_peak,
+            least_plan=solver_plan(graph, scored.candidates[k], least_peak, info, report=scored.report(graph, k)),
         )
     _, _, regions, report = best
     segments = len(regions)

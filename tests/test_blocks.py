@@ -13,6 +13,7 @@ import ckptplan
 from ckptplan.repeats import find_blocks
 from ckptplan.simulation import simulate
 from ckptplan.solvers import blocks, ilp
+from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp import (
     FLAT_MAX_NODES,
     LARGE_POLICY_SHARE,
@@ -75,7 +76,7 @@ def test_measured_effects_predict_a_uniform_plan(gpt) -> None:
     """The additive model's quantities come from the simulator: placing one policy on every
     block of its class frees, by the end of forward, the sum of what each placement frees."""
     _, _, graph = gpt
-    dec, _ = blocks.decompose(graph, seconds=4)
+    dec, _ = blocks.decompose(graph, SolveContext.limited(4))
     c = dec.class_of[-1]
     members = [k for k, cls in enumerate(dec.class_of) if cls == c]
     base = simulate(graph, ())
@@ -122,7 +123,7 @@ def test_frontier_names_the_middle_of_the_widest_unexplored_gap(gpt) -> None:
 def test_block_by_block_plans_fit_and_beat_sqrt(gpt, fraction: float) -> None:
     _, _, graph = gpt
     budget = parse_budget(fraction, graph.baseline_peak_bytes)
-    plan = solve_hierarchical(graph, budget, time_limit=4, warm=())
+    plan = solve_hierarchical(graph, budget, SolveContext.limited(4), warm=())
     assert plan is not None and plan.solver.name == "ilp" and "block by block" in plan.solver.note
     assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
     assert plan.prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
@@ -141,7 +142,7 @@ def test_menus_hold_attention_recomputed_alone_whatever_the_limit(gpt) -> None:
     budget = parse_budget(0.7, graph.baseline_peak_bytes)
     assert alone.peak_bytes <= budget
     for seconds in (0.3, 4):  # menus without flat block solves, with one and with 24 refined warm plans
-        plan = solve_hierarchical(graph, budget, time_limit=seconds, warm=())
+        plan = solve_hierarchical(graph, budget, SolveContext.limited(seconds), warm=())
         assert plan is not None and plan.prediction.peak_bytes <= budget
         assert plan.prediction.cost_seconds <= alone.cost_seconds * (1 + 1e-9)
 
@@ -174,16 +175,16 @@ def test_block_policies_get_more_of_the_limit_when_warm_plans_are_given(gpt18, m
     asked: list[float] = []
     decompose = blocks.decompose
 
-    def recording(graph, *, seconds):
-        asked.append(seconds)
-        return decompose(graph, seconds=seconds)
+    def recording(graph, ctx):
+        asked.append(ctx.limit)
+        return decompose(graph, ctx)
 
     monkeypatch.setattr(blocks, "decompose", recording)
     budget = parse_budget(0.6, gpt18.baseline_peak_bytes)
     warm = [solve_sqrt(gpt18, budget)]
     monkeypatch.setattr(ilp, "LARGE_POLICY_MIN_SECONDS", 3.0)  # a long limit, for this test's purpose
     for given, limit in ((None, 3.0), (warm, 3.0), (warm, 2.5)):
-        plan = solve_ilp(gpt18, budget, time_limit=limit, warm=given)
+        plan = solve_ilp(gpt18, budget, SolveContext.limited(limit), warm=given)
         assert simulate(gpt18, plan).peak_bytes <= budget
     assert asked == pytest.approx([3 * POLICY_SHARE, 3 * LARGE_POLICY_SHARE, 2.5 * POLICY_SHARE])
     assert POLICY_SHARE < LARGE_POLICY_SHARE
@@ -195,20 +196,20 @@ def test_keep_more_keeps_outputs_where_they_fit_and_recompute_less(gpt18) -> Non
     graph = gpt18
     budget = parse_budget(0.6, graph.baseline_peak_bytes)
     start = solve_sqrt(graph, budget)
-    refined = keep_more(graph, start, budget, limit=3)
+    refined = keep_more(graph, start, budget, SolveContext.limited(3))
     report = simulate(graph, refined)
     assert report.peak_bytes <= budget and refined.prediction.peak_bytes == report.peak_bytes
     assert report.cost_seconds < simulate(graph, start).cost_seconds
     added = sum(len(r.keep) for r in refined.regions) - sum(len(r.keep) for r in start.regions)
     assert [(r.start, r.end) for r in refined.regions] == [(r.start, r.end) for r in start.regions]
     assert added > 0 and refined.solver.note.endswith(f"then {added} more output(s) kept by refine.add_keeps")
-    assert keep_more(graph, start, budget, limit=0) is start
+    assert keep_more(graph, start, budget, SolveContext.limited(0)) is start
 
 
 def test_block_by_block_plan_runs_with_equal_gradients_and_measured_peak(gpt) -> None:
     model, args, graph = gpt
     budget = parse_budget(0.5, graph.baseline_peak_bytes)
-    plan = solve_hierarchical(graph, budget, time_limit=4, warm=())
+    plan = solve_hierarchical(graph, budget, SolveContext.limited(4), warm=())
     assert len(plan.regions) >= 2
     emitted = ckptplan.emit(graph, plan)
     measured = ckptplan.measure_step(emitted, args).peak_bytes
@@ -231,7 +232,7 @@ def test_graphs_of_blocks_get_the_proof_phase_from_the_block_by_block_plan(gpt, 
     dp_cost = ckptplan.solve(graph, budget, solver="dp").prediction.cost_seconds
     for flat_max in (ilp.FLAT_MAX_NODES, len(graph.nodes) - 1):
         monkeypatch.setattr(ilp, "FLAT_MAX_NODES", flat_max)
-        plan = ilp.solve_ilp(graph, budget, time_limit=4)
+        plan = ilp.solve_ilp(graph, budget, SolveContext.limited(4))
         assert "block by block" in plan.solver.note and "proof phase on the whole graph" in plan.solver.note
         assert plan.solver.gap is not None and 0.0 <= plan.solver.gap <= 1.0
         assert plan.solver.status == "feasible" or plan.solver.gap == 0.0
@@ -240,7 +241,7 @@ def test_graphs_of_blocks_get_the_proof_phase_from_the_block_by_block_plan(gpt, 
         if flat_max > len(graph.nodes):  # dp is a warm start on small graphs only
             assert plan.prediction.cost_seconds <= dp_cost
     # Large graphs keep LARGE_PROOF_SHARE of the limit for the proof phase, smaller ones PROOF_SHARE.
-    short = ilp.solve_ilp(graph, budget, time_limit=3)  # 0.5 × 3 s >= 1 s
+    short = ilp.solve_ilp(graph, budget, SolveContext.limited(3))  # 0.5 × 3 s >= 1 s
     assert "proof phase on the whole graph" in short.solver.note
     assert not ilp.proof_follows(graph, 1.9)  # 0.5 × 1.9 s < 1 s
     monkeypatch.setattr(ilp, "FLAT_MAX_NODES", len(graph.nodes))

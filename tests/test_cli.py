@@ -250,7 +250,13 @@ def test_budget_and_solver_are_checked_before_the_model_is_loaded(workdir: Path)
 
 
 def test_infeasible_budget_names_least_peak(tiny: Path) -> None:
+    """Below what the model's state and gradients hold: refused at once, saying so. Above that
+    but below every plan: the least peak a plan reaches."""
     result = invoke("solve", tiny, "--budget", "1B")
+    assert result.exit_code == 3
+    assert "every plan holds before any activation" in result.stderr and "least peak" in result.stderr
+    assert result.stdout == ""
+    result = invoke("solve", tiny, "--budget", "26KB", "--time-limit", "2")
     assert result.exit_code == 3
     assert "least peak" in result.stderr
     assert result.stdout == ""

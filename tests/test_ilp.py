@@ -21,9 +21,10 @@ from ckptplan import remat
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.simulation import simulate
-from ckptplan.solvers.cpsat import fix_plan, solve_interruptibly, stopped
+from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.cpsat import fix_plan, solve_interruptibly
 from ckptplan.solvers.dp import solve_dp
-from ckptplan.solvers.ilp import build_model, least_peak, model_cost, model_peak, solve_ilp
+from ckptplan.solvers.ilp import build_model, least_peak, solve_ilp
 from ckptplan.solvers.ilp_lazy import (
     DEFERRED_PHASES,
     PROOF_ROWS_PER_ROUND,
@@ -39,6 +40,7 @@ from ckptplan.solvers.ilp_model import COST_SCALE, add_events
 from ckptplan.solvers.sqrt import least_peak_regions, solve_sqrt
 from tests import models
 from tests.conftest import assert_same_gradients, load_example
+from tests.ilp_oracles import model_cost, model_peak
 from tests.plan_spaces import one_level_plans, random_plan
 from tests.synthetic import chain_graph, skip_graph
 
@@ -219,7 +221,8 @@ def test_a_stopped_least_peak_search_still_names_sqrt_s_least() -> None:
     model = load_example("gpt").GPT(n_layer=2, block_size=64)
     graph = ckptplan.profile(model, (torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64))))
     _, sqrt_least = least_peak_regions(graph)
-    peak, _ = least_peak(graph, time_limit=1.0, deterministic_seconds=0.001, workers=1, seed=0, window=None)
+    peak = least_peak(graph, SolveContext.limited(1.0), deterministic_seconds=0.001, workers=1, seed=0,
+                      window=None).peak_bytes
     assert peak <= sqrt_least < graph.baseline_peak_bytes
 
 
@@ -293,7 +296,7 @@ def test_warm_start_is_never_beaten_by_a_stopped_search() -> None:
     graph = chain_graph([100, 300, 100, 300, 100, 300, 100, 300])
     budget = int(0.8 * graph.baseline_peak_bytes)
     sqrt_plan = solve_sqrt(graph, budget)
-    plan = solve_ilp(graph, budget, time_limit=0.0, warm=[sqrt_plan])
+    plan = solve_ilp(graph, budget, SolveContext.limited(0.0), warm=[sqrt_plan])
     assert plan.solver.name == "ilp"
     assert plan.prediction.cost_seconds <= sqrt_plan.prediction.cost_seconds
     assert plan.prediction.peak_bytes <= budget
@@ -307,7 +310,7 @@ def test_a_limit_too_short_to_build_the_model_returns_the_refined_warm_plan() ->
     graph = chain_graph([100, 300] * 100)
     budget = int(0.6 * graph.baseline_peak_bytes)
     assert 2 * ilp.BUILD_SECONDS_PER_PAIR * 200 * 128 > 1.0  # the model would take longer than the limit
-    plans = [solve_ilp(graph, budget, time_limit=1.0) for _ in range(2)]
+    plans = [solve_ilp(graph, budget, SolveContext.limited(1.0)) for _ in range(2)]
     assert "no CP-SAT search" in plans[0].solver.note
     assert plans[0].regions == plans[1].regions
     assert simulate(graph, plans[0]).peak_bytes <= budget
@@ -350,18 +353,17 @@ def test_ctrl_c_ends_a_cp_sat_search_at_once_and_skips_later_ones() -> None:
     callback = _SignalOnFirstSolution()
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     handler = signal.getsignal(signal.SIGINT)
-    stopped.clear()
+    ctx = SolveContext.limited(60.0)
     try:
-        code = solve_interruptibly(solver, _slow_to_prove(), callback)
+        code = solve_interruptibly(solver, _slow_to_prove(), ctx, callback)
         ended_at = time.perf_counter()
         assert callback.sent_at is not None and ended_at - callback.sent_at < 5.0
-        assert code == cp_model.FEASIBLE and stopped.is_set()
+        assert code == cp_model.FEASIBLE and ctx.cancelled
         assert signal.getsignal(signal.SIGINT) is handler
-        assert solve_interruptibly(cp_model.CpSolver(), _slow_to_prove()) == cp_model.UNKNOWN  # skipped
+        assert solve_interruptibly(cp_model.CpSolver(), _slow_to_prove(), ctx) == cp_model.UNKNOWN  # skipped
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C escaped the search")
     finally:
-        stopped.clear()
         signal.signal(signal.SIGINT, inherited)
 
 
@@ -377,30 +379,28 @@ def test_ctrl_c_before_the_search_returns_the_cheapest_plan_made_so_far(monkeypa
 
     graph = skip_graph()
     budget = (graph.baseline_peak_bytes * 9) // 10
-    warm = ilp.warm_plans(graph, budget, 5.0)
+    warm = ilp.warm_plans(graph, budget, SolveContext.limited(5.0))
     cheapest = min(warm, key=lambda p: p.prediction.cost_seconds)
     assert cheapest.regions != solve_sqrt(graph, budget).regions  # so that the two cases below differ
-    try:
-        monkeypatch.setattr(ilp, "starting_plan", _interrupt)  # after the warm plans are made
-        plan = solve_ilp(graph, budget, time_limit=5)
-        assert plan.regions == cheapest.regions and plan.solver.status == "timeout"
-        assert plan.solver.note.startswith("stopped by Ctrl-C") and stopped.is_set()
-        monkeypatch.undo()  # refinement runs again: the cases below must end without it
+    monkeypatch.setattr(ilp, "starting_plan", _interrupt)  # after the warm plans are made
+    ctx = SolveContext.limited(5)
+    plan = solve_ilp(graph, budget, ctx)
+    assert plan.regions == cheapest.regions and plan.solver.status == "timeout"
+    assert plan.solver.note.startswith("stopped by Ctrl-C") and ctx.cancelled
+    monkeypatch.undo()  # refinement runs again: the cases below must end without it
 
-        def absorbed(*args: object, **kwargs: object) -> None:
-            stopped.set()  # as a CP-SAT search of the block-by-block phase does when Ctrl-C lands in it
+    def absorbed(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext, **kwargs: object) -> None:
+        ctx.cancel.set()  # as a CP-SAT search of the block-by-block phase does when Ctrl-C lands in it
 
-        monkeypatch.setattr(ilp, "solve_hierarchical", absorbed)  # the phases after it are skipped
-        plan = solve_ilp(graph, budget, time_limit=5)
-        assert plan.regions == solve_sqrt(graph, budget).regions and plan.solver.note.startswith("stopped by Ctrl-C")
-        monkeypatch.setattr(ilp, "solve_hierarchical", _interrupt)  # before any plan is made
-        plan = solve_ilp(graph, budget, time_limit=5)
-        assert plan.regions == solve_sqrt(graph, budget).regions and plan.solver.status == "timeout"
-        assert simulate(graph, plan).peak_bytes <= budget
-        with pytest.raises(KeyboardInterrupt):
-            solve_ilp(graph, least_peak_regions(graph)[1] - 1, time_limit=5)
-    finally:
-        stopped.clear()
+    monkeypatch.setattr(ilp, "solve_hierarchical", absorbed)  # the phases after it are skipped
+    plan = solve_ilp(graph, budget, SolveContext.limited(5))
+    assert plan.regions == solve_sqrt(graph, budget).regions and plan.solver.note.startswith("stopped by Ctrl-C")
+    monkeypatch.setattr(ilp, "solve_hierarchical", _interrupt)  # before any plan is made
+    plan = solve_ilp(graph, budget, SolveContext.limited(5))
+    assert plan.regions == solve_sqrt(graph, budget).regions and plan.solver.status == "timeout"
+    assert simulate(graph, plan).peak_bytes <= budget
+    with pytest.raises(KeyboardInterrupt):
+        solve_ilp(graph, least_peak_regions(graph)[1] - 1, SolveContext.limited(5))
 
 
 def test_a_search_outside_the_main_thread_runs_in_place() -> None:
@@ -408,7 +408,8 @@ def test_a_search_outside_the_main_thread_runs_in_place() -> None:
     solver.parameters.max_time_in_seconds = 1.0
     solver.parameters.num_workers = 1
     codes: list[int] = []
-    worker = threading.Thread(target=lambda: codes.append(solve_interruptibly(solver, _slow_to_prove(8))))
+    worker = threading.Thread(
+        target=lambda: codes.append(solve_interruptibly(solver, _slow_to_prove(8), SolveContext.limited(1.0))))
     worker.start()
     worker.join()
     assert codes == [cp_model.OPTIMAL]
@@ -507,7 +508,7 @@ def test_the_lazy_search_finds_and_proves_the_exhaustive_optimum(workers: int, u
         fitting = [(plan, r) for plan, r in reports if r.peak_bytes <= budget]
         dearest = max(fitting, key=lambda pr: pr[1].cost_seconds)[0]
         seeded = up_front if number % 2 else 0
-        found = search_lazily(graph, budget, tuple(dearest), seconds=60, workers=workers, deterministic_seconds=60,
+        found = search_lazily(graph, budget, tuple(dearest), SolveContext.limited(60), seconds=60, workers=workers, deterministic_seconds=60,
                               announce=False, seeded_rows=seeded, rows_per_round=per_round)
         assert found.status == "OPTIMAL", budget
         report = simulate(graph, found.regions)
@@ -519,9 +520,10 @@ def test_the_lazy_search_finds_and_proves_the_exhaustive_optimum(workers: int, u
             assert found.rows - found.seeded <= found.rounds * per_round
         rows.append(found.rows - found.seeded)
     assert max(rows) > 0
-    least, proven = least_peak(graph, time_limit=30, deterministic_seconds=30, workers=1, seed=0, window=None)
+    least, proven, _ = least_peak(graph, SolveContext.limited(30), deterministic_seconds=30, workers=1, seed=0,
+                                  window=None)
     assert proven
-    below = search_lazily(graph, least - 1, None, seconds=60, workers=workers, deterministic_seconds=60,
+    below = search_lazily(graph, least - 1, None, SolveContext.limited(60), seconds=60, workers=workers, deterministic_seconds=60,
                           announce=False)
     assert below.status == "INFEASIBLE" and below.regions is None
 
@@ -546,7 +548,7 @@ def test_the_proof_phase_searches_only_the_plans_recomputing_fewer_of_a_class() 
     assert fewer_of_a_class(graph, (ckptplan.Region(1, 3),)) is None  # recomputes a relu and a linear
     ends = []
     for start in (dearest, cheapest):
-        found = proof_search(graph, budget, tuple(start), seconds=30, announce=False)
+        found = proof_search(graph, budget, tuple(start), SolveContext.limited(30), seconds=30, announce=False)
         assert found.status == "OPTIMAL" and "fewer than" in found.split
         report = simulate(graph, found.regions)
         assert report.peak_bytes <= budget

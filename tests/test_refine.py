@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from ckptplan import Region
 from ckptplan.simulation import simulate
+from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp import solve_ilp
 from ckptplan.solvers.refine import Moves, add_keeps, shed_keeps, simplify
 from ckptplan.solvers.sqrt import solve_sqrt
@@ -92,6 +93,6 @@ def test_the_ilp_search_starts_from_the_refined_warm_plan() -> None:
     sqrt_plan = solve_sqrt(graph, budget)
     refined = simulate(graph, add_keeps(graph, sqrt_plan.regions, budget))
     assert refined.cost_seconds < sqrt_plan.prediction.cost_seconds  # the move matters here
-    plan = solve_ilp(graph, budget, time_limit=0.0, warm=[sqrt_plan])
+    plan = solve_ilp(graph, budget, SolveContext.limited(0.0), warm=[sqrt_plan])
     assert plan.prediction.peak_bytes <= budget
     assert plan.prediction.cost_seconds <= refined.cost_seconds

@@ -18,8 +18,9 @@ from ckptplan.build import make_plan
 from ckptplan.errors import PlanFormatError
 from ckptplan.profiler.loss import training_loss
 from ckptplan.simulation import simulate
-from ckptplan.solvers import shed_remat
+from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.remat_ilp import search_with_remat
+from ckptplan.solvers.remat_plans import shed_remat
 from tests import models
 from tests.conftest import assert_same_gradients, load_example
 
@@ -194,7 +195,7 @@ def test_joint_search_improves_on_its_start_reproducibly(gpt) -> None:
     _, _, graph = gpt
     budget = int(0.8 * graph.baseline_peak_bytes)
     start = ckptplan.solve(graph, budget, solver="sqrt")
-    found = [search_with_remat(graph, budget, start, time_limit=120, max_steps=2) for _ in range(2)]
+    found = [search_with_remat(graph, budget, start, SolveContext.limited(120), max_steps=2) for _ in range(2)]
     assert found[0] is not None
     assert found[0].prediction.cost_seconds < start.prediction.cost_seconds
     assert simulate(graph, found[0]).peak_bytes == found[0].prediction.peak_bytes <= budget

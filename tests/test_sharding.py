@@ -299,7 +299,7 @@ def test_the_least_peak_an_error_names_is_a_budget_that_solves(solver: str) -> N
     model, args = small_gpt(n_layer=4)
     graph = ckptplan.profile(model, args, shard=ckptplan.ShardSpec(4))
     with pytest.raises(InfeasibleBudgetError) as error:
-        ckptplan.solve(graph, graph.static.resident_bytes, solver=solver, time_limit=2)
+        ckptplan.solve(graph, graph.static.floor_bytes, solver=solver, time_limit=2)
     least = error.value.min_peak_bytes
     plan = ckptplan.solve(graph, least, solver=solver, time_limit=2)
     assert simulate(graph, plan).peak_bytes <= least

@@ -36,10 +36,14 @@ def graph_named(name: str) -> ComputeGraph:
 
 @cache
 def least_peak(graph_name: str, solver: str) -> int:
-    """The least peak ``solver`` reaches on the graph, as its ``InfeasibleBudgetError`` reports."""
-    with pytest.raises(InfeasibleBudgetError) as info:
-        solve(graph_named(graph_name), 1, solver=solver)
-    return info.value.min_peak_bytes
+    """The least peak ``solver`` reaches on the graph, as its ``InfeasibleBudgetError`` reports
+    for a budget of what every plan holds (``solve`` refuses less at once)."""
+    floor = graph_named(graph_name).static.floor_bytes
+    try:
+        return solve(graph_named(graph_name), floor, solver=solver).prediction.peak_bytes  # nothing is lower
+    except InfeasibleBudgetError as error:
+        assert error.least_plan is not None
+        return error.min_peak_bytes
 
 
 def budgets_between(graph_name: str, solver: str) -> list[int]:
@@ -73,15 +77,16 @@ def test_unknown_solver_lists_the_choices() -> None:
 def test_a_name_cannot_be_registered_twice() -> None:
     before = available_solvers()
     with pytest.raises(ValueError, match="twice"):
-        register("sqrt")(lambda graph, budget_bytes, *, time_limit=None: None)
+        register("sqrt")(lambda graph, budget_bytes, ctx=None: None)
     assert available_solvers() == before and get_solver("sqrt").__name__ == "solve_sqrt"
 
 
 def _fixed_solver(regions: tuple[Region, ...], least_peak_bytes: int):
     """A stand-in solver that always proposes ``regions``: its plan when it fits, else infeasible
-    with ``least_peak_bytes`` (whatever it claims) as its least peak."""
+    with ``least_peak_bytes`` (whatever it claims) as its least peak, its plan attached when that
+    is the plan's peak."""
 
-    def solve_fixed(graph: ComputeGraph, budget_bytes: int, *, time_limit: float | None = None) -> Plan:
+    def solve_fixed(graph: ComputeGraph, budget_bytes: int, ctx: object = None) -> Plan:
         plan = make_plan(
             graph,
             regions,
@@ -89,7 +94,9 @@ def _fixed_solver(regions: tuple[Region, ...], least_peak_bytes: int):
             solver=SolverInfo(name="aaa_fixed", status="feasible", seconds=0.0),
         )
         if plan.prediction.peak_bytes > budget_bytes:
-            raise InfeasibleBudgetError("Too small.", budget_bytes=budget_bytes, min_peak_bytes=least_peak_bytes)
+            honest = plan.prediction.peak_bytes == least_peak_bytes  # the claim is its plan's peak
+            raise InfeasibleBudgetError("Too small.", budget_bytes=budget_bytes, min_peak_bytes=least_peak_bytes,
+                                        least_plan=plan if honest else None)
         return plan
 
     return solve_fixed
@@ -97,17 +104,20 @@ def _fixed_solver(regions: tuple[Region, ...], least_peak_bytes: int):
 
 def test_auto_keeps_the_cheapest_plan_and_the_least_peak(monkeypatch: pytest.MonkeyPatch) -> None:
     graph = graph_named("bulge6")
-    monkeypatch.setitem(registry._SOLVERS, "aaa_fixed", _fixed_solver((Region(0, 6),), least_peak_bytes=7))
+    monkeypatch.setitem(registry._USER, "aaa_fixed", _fixed_solver((Region(0, 6),), least_peak_bytes=7))
     assert available_solvers()[:2] == ["auto", "aaa_fixed"]  # auto first, even before "aaa"
     # All fit at the baseline: the real solvers' empty plans cost nothing, the whole-graph region does.
     plan = solve(graph, "100%", solver="auto")
     assert plan.solver.name in ("dp", "sqrt") and plan.regions == ()
     assert solve(graph, "100%", solver="aaa_fixed").prediction.recompute_seconds > 0
-    # Nothing fits: auto reports the least peak any solver claims.
+    # Nothing fits: auto states the least peak of a plan a solver made, not the 7 bytes the fixed
+    # solver claims without one, and asking for it gets a plan.
+    least = min(least_peak("bulge6", name) for name in ("dp", "ilp", "sqrt"))
     with pytest.raises(InfeasibleBudgetError) as info:
-        solve(graph, 100, solver="auto")
-    assert info.value.min_peak_bytes == 7 and info.value.budget_bytes == 100
-    assert "(7 bytes)" in str(info.value)
+        solve(graph, least - 1, solver="auto")
+    assert info.value.min_peak_bytes == least == info.value.least_plan.prediction.peak_bytes
+    assert info.value.budget_bytes == least - 1 and f"({least:,} bytes)" in str(info.value)
+    assert solve(graph, least, solver="auto").prediction.peak_bytes <= least
 
 
 def test_auto_picks_the_only_solver_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +126,7 @@ def test_auto_picks_the_only_solver_that_fits(monkeypatch: pytest.MonkeyPatch) -
     regions = (Region(0, 3),)
     peak = simulate(graph, regions).peak_bytes
     assert peak < least_peak("bulge6", "sqrt")
-    monkeypatch.setitem(registry._SOLVERS, "aaa_fixed", _fixed_solver(regions, least_peak_bytes=peak))
+    monkeypatch.setitem(registry._USER, "aaa_fixed", _fixed_solver(regions, least_peak_bytes=peak))
     plan = solve(graph, peak, solver="auto")
     assert plan.solver.name == "aaa_fixed" and plan.regions == regions
     with pytest.raises(InfeasibleBudgetError) as info:

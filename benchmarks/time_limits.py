@@ -1,0 +1,107 @@
+"""Does ``solve`` keep its time limit, and is the least peak it states reachable?
+
+    python benchmarks/time_limits.py [--limit 10] [--budgets 0.5,0.3] [--models efficientnet,t5,...]
+
+For each model (``tests/architectures.py``: small real architectures built locally, and the
+examples), ``auto`` solves at each budget (a fraction of the no-checkpoint peak) with the time
+limit, on this machine's cores: the seconds it took against the limit, and what it answered. An
+infeasible budget's stated least peak is then asked for as the budget, with the same limit, and
+must be met. Writes ``benchmarks/results/time_limits.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import ckptplan
+from ckptplan.errors import InfeasibleBudgetError
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "time_limits.md"
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _builders() -> dict:
+    architectures = _load(ROOT / "tests" / "architectures.py", "ckptplan_bench_architectures")
+    builders = dict(architectures.ARCHITECTURES)
+    for example in ("gpt", "resnet", "unet"):
+        build = _load(ROOT / "examples" / f"{example}.py", f"ckptplan_bench_{example}").build
+        builders[example] = lambda build=build: (*build(), {})
+    return builders
+
+
+def _solve(graph: ckptplan.ComputeGraph, budget: float, limit: float) -> tuple[float, str, int | None]:
+    """Seconds taken, what came back, and the stated least peak when infeasible."""
+    started = time.perf_counter()
+    try:
+        plan = ckptplan.solve(graph, budget, time_limit=limit)
+    except InfeasibleBudgetError as exc:
+        return time.perf_counter() - started, "infeasible", exc.min_peak_bytes
+    seconds = time.perf_counter() - started
+    peak = plan.prediction.peak_bytes / graph.baseline_peak_bytes
+    return seconds, f"{plan.solver.status}, {peak:.0%} of peak, overhead {plan.prediction.overhead:.3f}", None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--limit", type=float, default=10.0)
+    parser.add_argument("--budgets", default="0.5,0.3")
+    parser.add_argument("--models", default=None, help="comma-separated; default: all")
+    options = parser.parse_args()
+    builders = _builders()
+    names = options.models.split(",") if options.models else list(builders)
+    budgets = [float(b) for b in options.budgets.split(",")]
+    rows = []
+    worst = 0.0
+    for name in names:
+        model, args, kwargs = builders[name]()
+        graph = ckptplan.profile(model, args, kwargs)
+        for budget in budgets:
+            seconds, answer, least = _solve(graph, budget, options.limit)
+            worst = max(worst, seconds / options.limit)
+            again = ""
+            if least is not None:
+                again_seconds, again_answer, again_least = _solve(graph, least, options.limit)
+                worst = max(worst, again_seconds / options.limit)
+                answer = f"infeasible, least {least:,} bytes"
+                again = f"{again_answer} in {again_seconds:.1f} s" if again_least is None else (
+                    f"**infeasible again** (least {again_least:,}) in {again_seconds:.1f} s")
+            rows.append(f"| {name} | {len(graph.nodes)} | {budget:g} | {seconds:.1f} | {seconds / options.limit:.2f} | "
+                        f"{answer} | {again} |")
+            print(rows[-1], flush=True)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    command = (f"`python benchmarks/time_limits.py --limit {options.limit:g} --budgets {options.budgets}` on "
+               f"{platform.machine()}, {cores} cores, torch {torch.__version__}. `auto` at each budget (a fraction of "
+               "the no-checkpoint peak); an infeasible budget's stated least is then asked for with the same limit.")
+    text = "\n".join([
+        "# Time limits and stated least peaks",
+        "",
+        command,
+        "",
+        "| model | nodes | budget | seconds | of limit | answer | at the stated least |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Longest: {worst:.2f} of the limit.",
+        "",
+    ])
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(text)
+    print(f"\nLongest: {worst:.2f} of the limit; written to {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Solver ``auto``: run the solvers that suit the graph and keep the cheapest plan."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.graph import ComputeGraph
+from ckptplan.plan import Plan
+from ckptplan.repeats import find_blocks
+from ckptplan.solvers import ilp
+from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.edges import at_unit_edges
+from ckptplan.solvers.least import least_of
+from ckptplan.solvers.registry import available_solvers, default_seconds, get_solver
+
+
+def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None = None) -> Plan:
+    """Run the solvers that suit the graph and keep the cheapest plan the simulator confirms.
+
+    ``sqrt`` always runs, ``dp`` too except on graphs ``ilp`` solves block by block (its chain
+    DP is slow and coarse there). ``ilp`` runs on graphs of up to ``ilp.FLAT_MAX_NODES`` nodes
+    and on larger ones made of repeated blocks (which it solves block by block), started from
+    their plans, so it can only improve on them, until ``ctx``'s deadline (None: ``auto``'s
+    default limit from now). Solvers registered by users run too. The plan records which solver
+    won and what was skipped. When none fits, the error states the least peak of a plan one of
+    them made (``solvers.least``).
+    """
+    ctx = ctx if ctx is not None else SolveContext.limited(default_seconds("auto"))
+    started = time.perf_counter()
+    plans: list[Plan] = []
+    errors: list[InfeasibleBudgetError] = []
+    skipped: list[str] = []
+
+    def attempt(run: Callable[[], Plan]) -> None:
+        try:
+            plans.append(at_unit_edges(graph, run(), budget_bytes))
+        except InfeasibleBudgetError as exc:
+            errors.append(exc)
+
+    by_blocks = len(graph.nodes) > ilp.FLAT_MAX_NODES and bool(find_blocks(graph)[0])
+    for name in available_solvers():
+        if name in ("auto", "ilp"):
+            continue
+        if name == "dp" and by_blocks:
+            skipped.append(f"dp skipped: {len(graph.nodes)} nodes of repeated blocks, which ilp solves block by block")
+            continue
+        attempt(lambda name=name: get_solver(name)(graph, budget_bytes, ctx))
+    if len(graph.nodes) <= ilp.FLAT_MAX_NODES or by_blocks:
+        warm = [p for p in plans if p.solver.name in ilp.WARM_SOLVERS]
+        attempt(lambda: ilp.solve_ilp(graph, budget_bytes, ctx, warm=warm))
+    else:
+        skipped.append(f"ilp skipped: {len(graph.nodes)} nodes > {ilp.FLAT_MAX_NODES} and no repeated blocks")
+    if not plans:
+        plans.append(least_of(errors, budget_bytes, "No solver fits"))
+    best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
+    why = "; ".join(["cheapest plan within budget", *skipped])
+    note = f"auto chose {best.solver.name}: {why}. {best.solver.note}".strip()
+    return best.model_copy(
+        update={"solver": best.solver.model_copy(update={"note": note, "seconds": time.perf_counter() - started})}
+    )

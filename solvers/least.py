@@ -1,0 +1,37 @@
+"""The least peak a solve states when nothing fits: always the simulated peak of a plan a solver
+made, so that asking for that many bytes gets a plan."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.plan import BudgetInfo, Plan
+from ckptplan.units import describe_bytes
+
+
+def least_of(errors: Sequence[InfeasibleBudgetError], budget_bytes: int, what: str) -> Plan:
+    """From the solvers' answers to an infeasible ``budget_bytes``: the cheapest of their
+    least-peak plans that fits after all (a solver's own search may miss its least-peak plan), else
+    ``InfeasibleBudgetError`` naming the least peak among those plans, the plan attached.
+
+    A solver that states a least peak without a plan (a user's) is believed only when no solver
+    made one. ``what`` starts the message ("No solver fits")."""
+    plans = [e.least_plan for e in errors if isinstance(e.least_plan, Plan)]
+    fitting = [p for p in plans if p.prediction.peak_bytes <= budget_bytes]
+    if fitting:
+        best = min(fitting, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
+        return best.model_copy(update={"budget": BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes)})
+    if plans:
+        least = min(plans, key=lambda p: (p.prediction.peak_bytes, p.prediction.cost_seconds))
+        peak = least.prediction.peak_bytes
+    elif errors:
+        least, peak = None, min(e.min_peak_bytes for e in errors)
+    else:
+        raise InfeasibleBudgetError(f"{what} the budget of {describe_bytes(budget_bytes)}; no solver ran.",
+                                    budget_bytes=budget_bytes, min_peak_bytes=0)
+    raise InfeasibleBudgetError(
+        f"{what} the budget of {describe_bytes(budget_bytes)}; the least peak any reaches is {describe_bytes(peak)}. "
+        "Raise the budget.",
+        budget_bytes=budget_bytes, min_peak_bytes=peak, least_plan=least,
+    )

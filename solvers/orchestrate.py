@@ -1,0 +1,90 @@
+"""The orchestration layer: one ``solve`` owns the clock, cancellation, the simulator's check and
+the plan's budget record; the solvers under it are kernels run under its ``SolveContext``."""
+
+from __future__ import annotations
+
+from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
+from ckptplan.graph import ComputeGraph
+from ckptplan.plan import BudgetInfo, Plan
+from ckptplan.simulation import simulate
+from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.edges import at_unit_edges
+from ckptplan.solvers.least import least_of
+from ckptplan.solvers.registry import default_seconds, get_solver
+from ckptplan.solvers.remat_plans import with_remat
+from ckptplan.units import describe_bytes, parse_budget
+
+
+def solve(
+    graph: ComputeGraph,
+    budget: str | float = "8GB",
+    solver: str = "auto",
+    time_limit: float | None = None,
+    remat: bool | None = None,
+) -> Plan:
+    """The plan ``solver`` finds for ``graph`` within ``budget`` (see ``ckptplan.units.parse_budget``)
+    in ``time_limit`` seconds (None: the solver's default, ``registry.default_seconds``).
+
+    ``remat``: also consider rematerialising cheap ops outside regions (``ckptplan.remat``,
+    ``remat_plans.with_remat``) and return the cheapest plan; None (the default) does for
+    ``auto`` only. Raises ``InfeasibleBudgetError`` when nothing fits, naming the least peak of a
+    plan it made (a budget that gets a plan), or at once when the model's state alone exceeds the
+    budget.
+    """
+    budget_bytes = parse_budget(budget, graph.baseline_peak_bytes)
+    kernel = get_solver(solver)
+    _refuse_below_state(graph, budget_bytes, solver)
+    ctx = SolveContext.limited(time_limit, default=default_seconds(solver))
+    remat = solver == "auto" if remat is None else remat
+
+    def run(g: ComputeGraph, phase: SolveContext) -> Plan:
+        return at_unit_edges(g, kernel(g, budget_bytes, phase), budget_bytes)
+
+    plan = with_remat(graph, budget_bytes, run, ctx, solver) if remat else run(graph, ctx)
+    report = simulate(graph, plan)
+    if report.peak_bytes != plan.prediction.peak_bytes or report.peak_bytes > budget_bytes:
+        raise CkptPlanError(
+            f"Solver {solver!r} returned a plan the simulator does not confirm "
+            f"(claimed {plan.prediction.peak_bytes} bytes, simulated {report.peak_bytes}, budget {budget_bytes}); "
+            "this is a bug in ckptplan, please report it."
+        )
+    requested = budget if isinstance(budget, str) else repr(budget)
+    return plan.model_copy(update={"budget": BudgetInfo(requested=requested, bytes=budget_bytes)})
+
+
+def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> None:
+    """``InfeasibleBudgetError`` at once when the budget is below what every plan holds through
+    the step (``StaticMemory.floor_bytes``: the model's state, its inputs and the gradients
+    backward makes), naming the least peak the solver's quick plans reach (``sqrt``'s and
+    ``dp``'s, which ``auto`` and ``ilp`` start from), so that budget gets a plan; a user's
+    solver gets the floor, a bound."""
+    floor = graph.static.floor_bytes
+    if budget_bytes >= floor:
+        return
+    from ckptplan.solvers.ilp import warm_solvers  # ilp imports ortools: only for this refusal
+
+    quick = (solver,) if solver in ("sqrt", "dp") else warm_solvers(graph) if solver in ("auto", "ilp") else ()
+    plans, errors = [], []
+    for name in quick:
+        try:
+            plans.append(get_solver(name)(graph, floor, SolveContext.limited(None)))
+        except InfeasibleBudgetError as exc:
+            errors.append(exc)
+    held = (f"the {describe_bytes(floor)} every plan holds before any activation (parameters, buffers, inputs"
+            f"{', optimizer state' if graph.static.optimizer_bytes else ''} and gradients)")
+    try:
+        least = plans[0] if plans else least_of(errors, floor, "No plan fits") if errors else None
+    except InfeasibleBudgetError as exc:
+        least = exc.least_plan if isinstance(exc.least_plan, Plan) else None
+    if least is None:
+        raise InfeasibleBudgetError(
+            f"Budget {describe_bytes(budget_bytes)} is below {held}, so no plan's peak is that low; raise the budget, "
+            "or shard the model (--shard-degree).",
+            budget_bytes=budget_bytes, min_peak_bytes=floor,
+        )
+    peak = least.prediction.peak_bytes
+    raise InfeasibleBudgetError(
+        f"Budget {describe_bytes(budget_bytes)} is below {held}; the least peak of a plan found at once is "
+        f"{describe_bytes(peak)} ({least.solver.name}). Raise the budget, or shard the model (--shard-degree).",
+        budget_bytes=budget_bytes, min_peak_bytes=peak, least_plan=least,
+    )

@@ -1,0 +1,144 @@
+"""Plans that rematerialise cheap ops beside checkpoint regions (``ckptplan.remat``): how a
+solve weighs them against the solver's plain plan."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from ckptplan import remat as _remat
+from ckptplan.build import solver_plan
+from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
+from ckptplan.graph import ComputeGraph
+from ckptplan.plan import Plan, Region, SolverInfo
+from ckptplan.simulation import build_region_tree, simulate
+from ckptplan.solvers import remat_ilp
+from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.least import least_of
+
+log = logging.getLogger(__name__)
+
+PLAIN_SHARE = 0.4  # of with_remat's time limit: the plain solve, when the joint search follows
+JOINT_SHARE = 0.3  # and the joint search
+SHED_SIMULATED_NODES = 20_000  # shed_remat simulates at most this many nodes' worth of plans (and 8 plans)
+
+
+def with_remat(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    run: Callable[[ComputeGraph, SolveContext], Plan],
+    ctx: SolveContext,
+    solver: str = "",
+) -> Plan:
+    """The cheapest of ``run``'s plan for ``graph`` and plans that rematerialise candidates
+    (``remat.by_price``, cheapest per byte first, chains included):
+
+    * when rematerialising them all fits ``budget_bytes`` without regions, the shortest prefix
+      of that order that fits (found by bisection: each prefix frees more, near enough; the
+      prefix returned is simulated and fits);
+    * otherwise ``run``'s plan for the graph with all of them rematerialised
+      (``remat.Remat.graph``), less those its regions contain or store as inputs (they would
+      free nothing) and those ``shed_remat`` finds the plan fits without, if the simulator
+      confirms it fits once savers inside its regions are left to them;
+    * for ``auto`` and ``ilp`` when the graph is small enough and the time allows
+      (``remat_ilp.affordable``), then the joint model's neighbourhood search from the cheapest
+      of these (``remat_ilp.search_with_remat``), which chooses regions and rematerialisation
+      together.
+
+    ``ctx.limit`` is shared: ``PLAIN_SHARE`` for the plain solve and ``JOINT_SHARE`` for the
+    neighbourhood search when it runs, the rest for the solve on the rematerialised graph (half
+    each without the search); each ends by its share's end, the search by ``ctx``'s deadline.
+    ``solver`` names what ``run`` runs, for the notes and the search. A Ctrl-C that stopped the
+    plain solve's ``ilp`` skips the later solve and the search. When neither fits, the least
+    peak of the plans either made (``solvers.least``), each simulated on ``graph``."""
+    started = time.perf_counter()
+    limit = ctx.limit
+    order = _remat.by_price(graph)
+    names = tuple(graph.nodes[x].name for x in order)
+    alone = bool(order) and simulate(graph, (), remat=names).peak_bytes <= budget_bytes
+    both = bool(order) and not alone
+    joint = solver in ("auto", "ilp") and remat_ilp.affordable(graph, limit * JOINT_SHARE)
+    plain_share = (PLAIN_SHARE if joint else 0.5) if both or joint else 1.0
+    plans: list[Plan] = []
+    errors: list[InfeasibleBudgetError] = []
+    try:
+        plans.append(run(graph, ctx.within(limit * plain_share)))
+    except InfeasibleBudgetError as exc:
+        errors.append(exc)
+    if alone:
+        fits, short = len(names), 0  # the prefix of length ``fits`` fits; ``short`` does not (or is empty)
+        while fits - short > 1:
+            middle = (fits + short) // 2
+            if simulate(graph, (), remat=names[:middle]).peak_bytes <= budget_bytes:
+                fits = middle
+            else:
+                short = middle
+        chose = "auto chose remat: " if solver == "auto" else ""
+        info = SolverInfo(name="remat", status="feasible", seconds=time.perf_counter() - started,
+                          note=f"{chose}no regions, rematerialises {fits} of {len(names)} candidates, the fewest that fit")
+        plans.append(solver_plan(graph, (), budget_bytes, info, remat=names[:fits]))
+    elif both and not ctx.cancelled:
+        log.info("remat: solving again with %d cheap ops rematerialised (dropped after forward, recomputed in backward)",
+                 len(order))
+        rematerialised = _remat.Remat(graph, order, ())
+        try:
+            shrunk = run(rematerialised.graph, ctx.within(limit * (1 - plain_share - (JOINT_SHARE if joint else 0.0))))
+        except CkptPlanError as exc:  # infeasible, or out of time: the plain plan stands
+            if isinstance(exc, InfeasibleBudgetError):
+                errors.append(_on_graph(graph, exc, order))
+        else:
+            kept = shed_remat(graph, shrunk.regions, _beside(graph, order, shrunk.regions), budget_bytes)
+            note = f"{shrunk.solver.note}; rematerialises {len(kept)} nodes".lstrip("; ")
+            plan = solver_plan(graph, shrunk.regions, budget_bytes, shrunk.solver.model_copy(update={"note": note}),
+                               remat=[graph.nodes[x].name for x in kept])
+            if plan.prediction.peak_bytes <= budget_bytes:
+                plans.append(plan)
+    if not plans:
+        plans.append(least_of(errors, budget_bytes, "No plan fits"))
+    best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
+    if joint and best.prediction.cost_seconds > 0 and not ctx.cancelled:
+        found = remat_ilp.search_with_remat(graph, budget_bytes, best, ctx.sized(limit * JOINT_SHARE))
+        if found is not None:
+            chose = "auto chose ilp: " if solver == "auto" else ""
+            best = found.model_copy(update={"solver": found.solver.model_copy(update={"note": chose + found.solver.note})})
+    return best.model_copy(update={"solver": best.solver.model_copy(update={"seconds": time.perf_counter() - started})})
+
+
+def shed_remat(graph: ComputeGraph, regions: tuple[Region, ...], nodes: Sequence[int], budget_bytes: int) -> list[int]:
+    """``nodes`` (rematerialised beside ``regions``) less those the plan fits ``budget_bytes``
+    without: dearest first (recompute seconds, with the hooks' fixed cost, times savers outside
+    regions), each dropped when the simulated peak stays within the budget. Regions solved on a
+    graph with every candidate rematerialised often leave bytes to spare, which pays for
+    recomputing fewer. Deterministic: at most ``max(8, SHED_SIMULATED_NODES // nodes)``
+    simulations, so large graphs try only their dearest few."""
+    covered = _remat.Remat(graph, nodes, regions).recomputed_by
+    recomputes = {x: sum(x in xs for xs in covered.values()) for x in nodes}
+    dearest = sorted(nodes, key=lambda x: (-(graph.nodes[x].fwd_cost + graph.remat_cost) * recomputes[x], x))
+    kept = list(nodes)
+    for x in dearest[: max(8, SHED_SIMULATED_NODES // max(1, len(graph.nodes)))]:
+        trial = [y for y in kept if y != x]
+        names = [graph.nodes[y].name for y in trial]
+        if simulate(graph, regions, remat=names).peak_bytes <= budget_bytes:
+            kept = trial
+    return kept
+
+
+def _beside(graph: ComputeGraph, nodes: Sequence[int], regions: tuple[Region, ...]) -> list[int]:
+    """Those of ``nodes`` a plan of ``regions`` (solved on the graph with ``nodes`` rematerialised)
+    rematerialises on ``graph``: not those its regions contain or store as inputs, which would
+    free nothing."""
+    region_inputs = {s for top in build_region_tree(graph, regions) for s in top.input_storages}
+    return [x for x in _remat.outside(graph, nodes, regions) if graph.nodes[x].outputs[0] not in region_inputs]
+
+
+def _on_graph(graph: ComputeGraph, exc: InfeasibleBudgetError, nodes: Sequence[int]) -> InfeasibleBudgetError:
+    """``exc`` from the solve on the graph with ``nodes`` rematerialised, its least-peak plan made
+    on ``graph`` (``_beside``) and simulated there."""
+    least = exc.least_plan
+    if not isinstance(least, Plan):
+        return exc
+    remat = [graph.nodes[x].name for x in _beside(graph, nodes, least.regions)]
+    plan = solver_plan(graph, least.regions, exc.budget_bytes, least.solver, remat=remat)
+    return InfeasibleBudgetError(str(exc), budget_bytes=exc.budget_bytes, min_peak_bytes=plan.prediction.peak_bytes,
+                                 least_plan=plan)
