@@ -152,19 +152,17 @@ def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _batch_norm_once(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
     """``aten.batch_norm`` that updates running statistics in forward only, not when recomputed.
 
-    In training mode the output uses batch statistics, so updating throwaway copies of the
-    running buffers during recomputation leaves the result (and what autograd saves) unchanged.
-    The copies are made in forward too: selective checkpointing replays recomputation against
-    the ops it recorded in forward, so recomputation may not run an op forward did not.
+    The recompute runs the same op on the same tensors with momentum 0, which writes each
+    running statistic back as it is (``r * (1 - 0) + 0 * batch``), so the ops and the tensors
+    autograd saves are those of forward, and nothing is allocated for it. In training mode the
+    output uses batch statistics either way.
 
     Under torch.compile the plain op runs: AOTAutograd functionalizes the buffer update and
     applies it once, after the compiled forward; recomputation in the backward graph repeats
     only the functional op, whose updated statistics nothing reads.
     """
-    if training and running_mean is not None and not torch.compiler.is_compiling():
-        scratch_mean, scratch_var = running_mean.clone(), running_var.clone()
-        if _recomputing():
-            running_mean, running_var = scratch_mean, scratch_var
+    if training and running_mean is not None and _recomputing() and not torch.compiler.is_compiling():
+        momentum = 0.0
     return torch.ops.aten.batch_norm.default(
         input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
     )
@@ -185,15 +183,11 @@ def _mutate_once(op, target, *args, **kwargs):
 
 def _batch_norm_module_once(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """A BatchNorm module call (symbolic traces) that does not update its buffers when recomputed
-    (see ``_batch_norm_once``, also for torch.compile)."""
-    if not module.training or module.running_mean is None or torch.compiler.is_compiling():
+    (momentum 0: see ``_batch_norm_once``, also for torch.compile)."""
+    if not module.training or module.running_mean is None or torch.compiler.is_compiling() or not _recomputing():
         return module(input)
-    scratch_mean, scratch_var = module.running_mean.clone(), module.running_var.clone()
-    if not _recomputing():
-        return module(input)
-    momentum = module.momentum if module.momentum is not None else 0.0
     return nn.functional.batch_norm(
-        input, scratch_mean, scratch_var, module.weight, module.bias, True, momentum, module.eps
+        input, module.running_mean, module.running_var, module.weight, module.bias, True, 0.0, module.eps
     )
 
 
