@@ -172,6 +172,14 @@ class ComputeGraph:
     # from the end of forward to the end of the step; and backward's seed, ``ones_like(loss)``.
     loss_scalar_bytes: int = 0
     seed_bytes: int = 0
+    # The loss is the model's own scalar output (``loss_scalar_bytes`` 0), which the caller holds
+    # as ``loss`` through backward.
+    loss_is_output: bool = False
+    # What a checkpoint region that draws random numbers stashes of the RNG state where the step
+    # runs, to replay its stream when recomputing (``torch.get_rng_state()``: the CPU generator's
+    # 5,056 bytes; on CUDA the states are CPU tensors, 0 bytes of device memory). Held with the
+    # region's inputs, and once more during its recompute (``torch.random.fork_rng``).
+    rng_state_bytes: int = 0
     # Seconds checkpointing's machinery adds to a step (``profiler.cost.Roofline``): per region,
     # per node of a region (its saved-tensor hooks and the recompute's bookkeeping), and per
     # kept node (its selective policy's dispatch modes, once in forward, once in the recompute);

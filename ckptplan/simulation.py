@@ -31,7 +31,8 @@ The model of PyTorch (2.x, eager, non-reentrant ``torch.utils.checkpoint``) it e
   holds until backward ends, and each loss node receives as its gradient: for ``out.sum()``
   (``profiler.loss``) as a broadcast view, which view ops hand on as it is, and which the first
   gradient added to it replaces by a full-size sum. The scalar ``out.sum()`` made
-  (``graph.loss_scalar_bytes``) lives from the end of forward to the end of the step.
+  (``graph.loss_scalar_bytes``) lives from the end of forward to the end of the step, and so
+  does a model's own scalar loss (``graph.loss_is_output``), which the caller holds.
 
 Peak = the most bytes live at any op, resident state (parameters, buffers, inputs, optimizer
 state) included.
@@ -104,6 +105,7 @@ class _RegionInfo:
     children: list[_RegionInfo]
     keep: frozenset[int]
     input_storages: tuple[int, ...] = ()
+    random: bool = False  # a node in it (children's included) draws random numbers
 
     @property
     def start(self) -> int:
@@ -209,6 +211,7 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
                 if j < region.start:
                     inputs.update(graph.nodes[j].outputs)
         info.input_storages = tuple(sorted(s for s in inputs if not graph.storages[s].is_static))
+        info.random = any(graph.nodes[i].random for i in range(region.start, region.end))
         return info
 
     tops: list[_RegionInfo] = []
@@ -260,6 +263,13 @@ def why_not_keep(graph: ComputeGraph, index: int) -> str | None:
             "which the memory model does not count"
         )
     return None
+
+
+def _rng_key(slot: int) -> _Key:
+    """A key for a stashed RNG state, beside the storages' keys (from 0) and the gradients'
+    (small negative): ``slot`` is a region's uid, offset by ``1 << 20`` for the copy its inputs'
+    frame holds and ``2 << 20`` for a nested region's from forward, negated for a recompute's fork."""
+    return (-(1 << 40) + slot, 0)
 
 
 def later_inplace_writer(graph: ComputeGraph, index: int) -> str | None:
@@ -398,12 +408,18 @@ class _Simulator:
                 # Top level: frame.save_inputs keeps them for real. Child of the region being
                 # recomputed: saved into that frame. Deeper: dropped by the enclosing hook.
                 self._save_child_inputs(info, env)
+            elif root is None and info.random and self.g.rng_state_bytes:
+                # A nested region's frame, made in forward, lives as long as the tensors its ops
+                # save (holders of it, in the graph until backward passes it), and its stash too.
+                self.mem.hold(_rng_key(info.uid + (2 << 20)), self.g.rng_state_bytes, ("stash", info.uid))
 
     def _save_child_inputs(self, info: _RegionInfo, env: dict[int, _Key]) -> None:
         keys = {s: env.get(s, (s, 0)) for s in info.input_storages}
         self.input_keys[info.uid] = keys
         for s, key in keys.items():
             self.mem.hold(key, self.g.storages[s].nbytes, ("rin", info.uid))
+        if info.random and self.g.rng_state_bytes:  # the frame's stash of the RNG state, beside its inputs
+            self.mem.hold(_rng_key(info.uid + (1 << 20)), self.g.rng_state_bytes, ("rin", info.uid))
 
     def _save(
         self, i: int, owner: _RegionInfo | None, root: _RegionInfo | None, kept: bool, tag: int, env: dict[int, _Key]
@@ -435,7 +451,12 @@ class _Simulator:
         self.recomputed_regions.add(info.uid)
         hi, stop_child = self._stop_point(info)
         env = dict(self.input_keys.get(info.uid, {}))
+        fork = info.random and self.g.rng_state_bytes
+        if fork:  # fork_rng keeps the state it restores afterwards
+            self.mem.hold(_rng_key(-info.uid), self.g.rng_state_bytes, ("fork", info.uid))
         self._run_forward(info.start, hi, info.uid, info, env, stop_child)
+        if fork:
+            self.mem.release_token(("fork", info.uid))
         if info.parent is not None:
             # get_inputs() unpacked them from the parent's frame; they die with this call.
             self.mem.release_token(("rin", info.uid))
@@ -474,12 +495,13 @@ class _Simulator:
                 if g.nodes[i].bwd_unpack_bytes:
                     mem.observe("backward", i, g.nodes[i].bwd_unpack_bytes)
                 _begin_gradients(mem, g, step)
-                mem.observe("backward", i, step.transient_bytes + g.nodes[i].bwd_workspace_bytes)
+                mem.observe("backward", i, step.extra_bytes(g.nodes[i].bwd_workspace_bytes))
                 _end_gradients(mem, step)
                 mem.release_token(("saved", i))
             for info in reversed(self.chain[i]):
                 if info.start == i:
                     mem.release_token(("rin", info.uid))
+                    mem.release_token(("stash", info.uid))
                     for k in list(self.cache_keys[info.uid]):
                         mem.release_token(("cache", info.uid, k))
         recompute_flops = sum(g.nodes[i].fwd_flops for i in self.recomputed_nodes)
@@ -517,8 +539,9 @@ class GradientStep:
     seed, or of another op's gradient, such as ``cat``'s slices) and that an allocated gradient
     replaces: autograd cannot add into a view, so it adds out of place and drops the view;
     ``param_grads``: parameter storages whose gradient it allocates first; ``transient_bytes``:
-    what it adds into gradients that already exist (a temporary of that size), and the copies of
-    first gradients made in another layout than their parameter's (``Node.param_grad_copies``)."""
+    what it adds into gradients that already exist (a temporary of that size); ``copy_bytes``:
+    the copies of first gradients made in another layout than their parameter's
+    (``Node.param_grad_copies``)."""
 
     node: int
     incoming: tuple[int, ...]
@@ -527,6 +550,14 @@ class GradientStep:
     replaced: tuple[tuple[int, tuple[int, ...]], ...]
     param_grads: tuple[int, ...]
     transient_bytes: int
+    copy_bytes: int = 0
+
+    def extra_bytes(self, workspace_bytes: int) -> int:
+        """What this step holds beyond its gradients, with the op's backward workspace: the
+        accumulation temporaries, which coexist with the workspace, and the layout copies, made
+        once the op's backward has returned and its workspace is gone (so the larger of the two
+        counts; and before its saved tensors are freed, so the model never falls short)."""
+        return self.transient_bytes + max(workspace_bytes, self.copy_bytes)
 
 
 def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
@@ -545,7 +576,7 @@ def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
         if not (node.requires_grad and i in grads):
             continue
         incoming = grads[i]
-        transient = 0
+        transient = copies = 0
         allocated: list[tuple[int, int, int]] = []
         aliased: list[int] = []
         replaced: list[tuple[int, tuple[int, ...]]] = []
@@ -583,12 +614,9 @@ def gradient_steps(graph: ComputeGraph) -> tuple[GradientStep, ...]:
                 done_params.add(p)
                 params.append(p)
                 if p in node.param_grad_copies:
-                    # Stored in the parameter's layout: a copy, then the original goes. Autograd
-                    # makes it once this backward has returned and freed its saved tensors; it
-                    # is counted here, with them, so the model never falls short.
-                    transient += graph.storages[p].nbytes
+                    copies += graph.storages[p].nbytes
         steps.append(
-            GradientStep(i, incoming, tuple(allocated), tuple(aliased), tuple(replaced), tuple(params), transient)
+            GradientStep(i, incoming, tuple(allocated), tuple(aliased), tuple(replaced), tuple(params), transient, copies)
         )
     return tuple(steps)
 
@@ -603,10 +631,15 @@ def _output_slot(graph: ComputeGraph, i: int, j: int) -> int | None:
 
 
 def _begin_backward(mem: _Memory, graph: ComputeGraph) -> None:
-    """What exists when backward starts, to its end: the loss scalar, and the seed, which
+    """What exists when backward starts, to its end: the loss scalar (summed from the outputs, or
+    the model's own scalar output, which the caller holds as ``loss``), and the seed, which
     autograd's graph root holds for the whole backward (and each loss node as its gradient)."""
     if graph.loss_scalar_bytes:
         mem.hold(_LOSS_KEY, graph.loss_scalar_bytes, ("loss",))
+    elif graph.loss_is_output:
+        for i in graph.loss_nodes:
+            for s in graph.nodes[i].outputs:
+                mem.hold((s, 0), graph.storages[s].nbytes, ("loss",))
     mem.hold((-SEED, 0), graph.seed_bytes, ("root",))
     for i in graph.loss_nodes:
         mem.hold((-SEED, 0), graph.seed_bytes, ("grad", i))
@@ -654,7 +687,7 @@ def gradient_bytes(graph: ComputeGraph) -> GradientBytes:
     for step in steps:
         before[step.node] = mem.live_bytes
         _begin_gradients(mem, graph, step)
-        during[step.node] = mem.live_bytes + step.transient_bytes + graph.nodes[step.node].bwd_workspace_bytes
+        during[step.node] = mem.live_bytes + step.extra_bytes(graph.nodes[step.node].bwd_workspace_bytes)
         _end_gradients(mem, step)
     return GradientBytes(before=before, during=during, runs=tuple(step.node for step in steps))
 

@@ -38,6 +38,9 @@ from ckptplan.simulation import build_region_tree
 
 _STATE = threading.local()
 
+# The fx meta key marking nodes that draw random numbers (``Node.random``): only regions holding
+# one have checkpoint stash and replay the RNG state, which costs memory (5,056 bytes on CPU).
+_RANDOM = "ckptplan_random"
 # The ``fx.traceback.annotate`` key that tags a kept node's ops with its region's id under
 # torch.compile, where ``_STATE`` is not set while the policy runs.
 _KEEP_ANNOTATION = "ckptplan_keep"
@@ -198,11 +201,12 @@ class CheckpointRegion(nn.Module):
     so the emitted module's ``state_dict`` is exactly the model's.
     """
 
-    def __init__(self, body: torch.fx.GraphModule, region_id: int, keep: tuple[str, ...]) -> None:
+    def __init__(self, body: torch.fx.GraphModule, region_id: int, keep: tuple[str, ...], random: bool) -> None:
         super().__init__()
         self.__dict__["body"] = body
         self.region_id = region_id
         self.keep = keep
+        self.random = random  # it draws random numbers: checkpoint stashes the RNG state to replay them
 
     def _compiled_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         """The selective policy under torch.compile (eager runs ``_save_non_views`` inside kept
@@ -270,8 +274,8 @@ def _run_region(region: CheckpointRegion, *args: Any) -> Any:
         context_fn = functools.partial(_compiled_region_contexts, region)
     else:
         # Left out rather than passed: dynamo sees a passed ``noop_context_fn`` as a custom one.
-        return checkpoint(region.body.forward, *args, use_reentrant=False, preserve_rng_state=True)
-    return checkpoint(region.body.forward, *args, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)
+        return checkpoint(region.body.forward, *args, use_reentrant=False, preserve_rng_state=region.random)
+    return checkpoint(region.body.forward, *args, use_reentrant=False, context_fn=context_fn, preserve_rng_state=region.random)
 
 
 @contextlib.contextmanager
@@ -315,6 +319,8 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
         raise PlanFormatError("The traced module no longer matches its ComputeGraph; profile the model again.")
     by_index = [value_map[n] for n in compute]
 
+    for node, fx_node in zip(graph.nodes, by_index):
+        fx_node.meta[_RANDOM] = node.random
     if isinstance(plan, Plan) and plan.remat:
         _rematerialise(graph, plan, by_index)
     counter = [0]
@@ -635,7 +641,8 @@ def _outline(
         if fx_node.op == "get_attr" and fx_node.target not in root:
             root[fx_node.target] = _fetch_from(owner_modules, fx_node.target)
     body_module = torch.fx.GraphModule(root, body, class_name=f"Region{region_id}")
-    wrapper = CheckpointRegion(body_module, region_id, tuple(region.keep))
+    random = any(fx_node.meta.get(_RANDOM, False) for fx_node in members)
+    wrapper = CheckpointRegion(body_module, region_id, tuple(region.keep), random)
     name = f"_ckptplan_region_{region_id}"
 
     # Replace the members in the parent graph by one call and getitems. Attribute reads

@@ -1,22 +1,27 @@
-"""Measure a real training step's peak memory with PyTorch's own MemTracker (CPU or CUDA)."""
+"""Measure a real training step's peak memory as the device's allocator counts it (CPU:
+``torch.profiler``'s memory events; CUDA: ``torch.cuda.max_memory_allocated``), or tensor by
+tensor with PyTorch's ``MemTracker``."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ckptplan.profiler import allocator
 from ckptplan.profiler.loss import training_loss
 from ckptplan.profiler.trace import model_device_type
+
+Counter = Literal["allocator", "tensors"]
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """Peak live bytes of one forward+backward step as MemTracker saw it, and the loss value."""
+    """Peak bytes of one forward+backward step, with the module's state and inputs, and the loss."""
 
     peak_bytes: int
     loss: float
@@ -35,10 +40,17 @@ def forward_autocast(
 
 
 def measure_step(
-    module: nn.Module, args: Any, kwargs: dict[str, Any] | None = None, *, autocast: torch.dtype | None = None
+    module: nn.Module, args: Any, kwargs: dict[str, Any] | None = None, *, autocast: torch.dtype | None = None,
+    counter: Counter = "allocator",
 ) -> Measurement:
-    """Run one training step (forward, ``training_loss``, backward) and return MemTracker's peak.
+    """Run one training step (forward, ``training_loss``, backward) and return its peak.
 
+    ``counter="allocator"`` (the default) counts what the allocator hands out during the step
+    (kernel temporaries included), above what was allocated before it, plus the module's
+    parameters, buffers and inputs, which a plan's budget counts (other state made before the
+    step, such as optimizer state or DDP's gradient buckets, is not in it); ``"tensors"`` is
+    ``MemTracker``'s live tensors, for a breakdown by category (it sees no kernel temporaries,
+    and its hooks make autograd add gradients at branch points out of place).
     Gradients are reset to None first, as ``optimizer.zero_grad()`` does by default, so the step
     starts from the state a training loop sees. ``autocast``: run forward and loss under
     ``torch.autocast`` with this dtype and backward outside it (``forward_autocast``).
@@ -47,16 +59,43 @@ def measure_step(
     kwargs = dict(kwargs or {})
     for p in module.parameters():
         p.grad = None
-    tracker = memory_tracker(module, *[t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
-    with tracker:
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    outcome: dict[str, float] = {}
+
+    def step() -> None:
         with forward_autocast(module, args, kwargs, autocast):
             loss = training_loss(module(*args, **kwargs))
         loss.backward()
-        value = float(loss.detach())
-        del loss
-    snapshot = tracker.get_tracker_snapshot("peak")
-    peak = sum(v["Total"] for v in snapshot.values())
-    return Measurement(peak_bytes=int(peak), loss=value)
+        outcome["loss"] = float(loss.detach())
+
+    if counter == "tensors":
+        tracker = memory_tracker(module, *inputs)
+        with tracker:
+            step()
+        peak = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    elif counter == "allocator":
+        peak = allocator_peak(step, model_device_type(module, inputs)) + own_bytes(module, inputs)
+    else:
+        raise ValueError(f"counter must be 'allocator' or 'tensors', not {counter!r}")
+    return Measurement(peak_bytes=int(peak), loss=outcome["loss"])
+
+
+def allocator_peak(run: Any, device_type: str) -> int:
+    """The most bytes the allocator held during ``run()`` beyond what it held before."""
+    if device_type != "cuda":
+        return allocator.peak_bytes(run)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def own_bytes(module: nn.Module, inputs: list[torch.Tensor]) -> int:
+    """Bytes of the storages of ``module``'s parameters and buffers and of ``inputs``, each once."""
+    tensors = [*module.parameters(), *module.buffers(), *inputs]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def memory_tracker(module: nn.Module, *inputs: torch.Tensor) -> Any:

@@ -64,8 +64,9 @@ def verify(
     steps: int = 3,
     device: str = "cpu",
 ) -> Verification:
-    """Apply ``plan`` to ``model`` and measure it (MemTracker on CPU; on CUDA the peak of
-    ``torch.cuda.max_memory_allocated`` above the memory resident before the step).
+    """Apply ``plan`` to ``model`` and measure it: the step's peak as the allocator counts it
+    (``measure_step``: the CPU profiler's memory events, or ``torch.cuda.max_memory_allocated``
+    above what was allocated before the step), with the module's state and inputs.
 
     Each step is the step the plan was made for: with ``plan.model.autocast``, forward and loss
     run under ``torch.autocast`` with that dtype on the model's device and backward outside it."""
@@ -89,8 +90,8 @@ def verify(
     emitted = apply(model, args, plan, kwargs)
     step = _Step(args, kwargs, getattr(torch, plan.model.autocast) if plan.model.autocast is not None else None)
     grads_equal, error = _compare_gradients(reference, emitted, model, step)
-    measured = _peak(emitted, step, device)
-    original = _peak(reference, step, device)
+    measured = _peak(emitted, step)
+    original = _peak(reference, step)
     return Verification(
         device=device,
         budget_bytes=plan.budget.bytes,
@@ -140,20 +141,9 @@ def _compare_gradients(
     return equal, worst
 
 
-def _peak(module: nn.Module, step: _Step, device: str) -> int:
-    if device == "cpu":
-        return measure_step(module, step.args, step.kwargs, autocast=step.autocast).peak_bytes
-    # CUDA: the step's own peak above whatever else is allocated, plus the module's state and
-    # inputs, which the plan's budget counts.
-    module.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step.run(module)
-    torch.cuda.synchronize()
-    tensors = [*module.parameters(), *module.buffers(), *_tensors((step.args, step.kwargs))]
-    own = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-    return torch.cuda.max_memory_allocated() - before + own
+def _peak(module: nn.Module, step: _Step) -> int:
+    """The step's peak as the allocator counts it, with the module's state and inputs."""
+    return measure_step(module, step.args, step.kwargs, autocast=step.autocast).peak_bytes
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ from ckptplan.profiler.shard import shard_layout
 from ckptplan.profiler.static import static_memory
 from ckptplan.profiler.timing import StepTimes, measure_op_seconds
 from ckptplan.profiler.trace import Autocast, Target, TraceMode, model_device_type, trace_model
+from ckptplan.profiler.workspace import measure_workspaces
 from ckptplan.sharding import ShardSpec, shard_graph
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def profile(
     target: Target | None = None,
     measure_times: bool = False,
     spell_out: bool = False,
+    workspaces: bool | None = None,
 ) -> ComputeGraph:
     """Trace ``model(*args, **kwargs)`` for one training step and annotate it for planning.
 
@@ -85,6 +87,11 @@ def profile(
     keeps its one-byte mask for backward, not the kernel's noise in the input's dtype (a quarter
     of the bytes in fp32). More nodes give plans more choices and the solvers more work: at
     short time limits ``ilp`` then searches less.
+    ``workspaces``: run each distinct op once more for real and take what the device's allocator
+    counts inside it (``profiler.workspace``: a CPU convolution's temporaries, cuDNN's
+    workspaces). None (the default) does when the model's tensors are real and on the device
+    kind the plan is for; a model on ``meta``, or planned for another device, keeps the fake
+    tensors' count.
     """
     autocast_name = _autocast_name(autocast)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
@@ -105,6 +112,13 @@ def profile(
     )
     static = static_memory(recording.storages, optimizer)
     nodes = tuple(recording.nodes)
+    if workspaces is None:
+        workspaces = device_type in ("cpu", "cuda") and target == own_kernels
+    if workspaces:
+        # A loss node of a summed output gets the seed as a broadcast scalar (``training_loss``).
+        broadcast = frozenset(nodes[i].name for i in recording.loss_nodes) if recording.loss_scalar_bytes else frozenset()
+        measured = measure_workspaces(recording.calls, _device_of(model, flat_inputs), spec, broadcast)
+        nodes = _with_workspaces(nodes, measured)
     if measure_times:
         nodes = _with_measured_times(nodes, measure_op_seconds(model, traced.gm, traced.flat_inputs, spec))
     graph = ComputeGraph(
@@ -115,7 +129,9 @@ def profile(
         outputs=tuple(recording.outputs),
         loss_nodes=tuple(recording.loss_nodes),
         loss_scalar_bytes=recording.loss_scalar_bytes,
+        loss_is_output=recording.loss_is_output,
         seed_bytes=recording.seed_bytes,
+        rng_state_bytes=_rng_state_bytes(target),
         region_cost=roofline.region_seconds,
         region_op_cost=roofline.region_op_seconds,
         policy_op_cost=roofline.policy_op_seconds,
@@ -184,3 +200,27 @@ def _target(target: Any, device_type: str) -> Target:
     if target not in _TARGETS:
         raise CkptPlanError(f"target must be 'cpu', 'cuda' or None, not {target!r}.")
     return target
+
+
+def _with_workspaces(nodes: tuple[Node, ...], measured: dict) -> tuple[Node, ...]:
+    """Each node with the larger of its recorded and its measured workspaces."""
+    found = []
+    for node in nodes:
+        ws = measured.get(node.name)
+        if ws is not None and (ws.fwd_bytes > node.fwd_workspace_bytes or ws.bwd_bytes > node.bwd_workspace_bytes):
+            node = replace(node, fwd_workspace_bytes=max(node.fwd_workspace_bytes, ws.fwd_bytes),
+                           bwd_workspace_bytes=max(node.bwd_workspace_bytes, ws.bwd_bytes))
+        found.append(node)
+    return tuple(found)
+
+
+def _device_of(model: nn.Module, flat_inputs: list) -> torch.device:
+    """The device of the model's first floating tensor (as ``model_device_type`` finds its kind)."""
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in flat_inputs if isinstance(x, torch.Tensor))]
+    return next((t.device for t in tensors if t.is_floating_point()), torch.device("cpu"))
+
+
+def _rng_state_bytes(target: str) -> int:
+    """Device bytes a random checkpoint region stashes (``ComputeGraph.rng_state_bytes``): the CPU
+    generator's state on CPU; none on CUDA, where ``torch.cuda.get_rng_state()`` is a CPU tensor."""
+    return torch.get_rng_state().nbytes if target == "cpu" else 0

@@ -9,6 +9,7 @@ machine profiles the same way, and the model's own parameters and buffers are ne
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import operator
 from collections.abc import Collection, Iterable, Iterator
@@ -34,6 +35,7 @@ from ckptplan.profiler.cost import Roofline
 from ckptplan.profiler.cuda_attention import attention_as_cuda, sdpa_call
 from ckptplan.profiler.loss import training_loss
 from ckptplan.profiler.trace import Autocast, Target, fake_copy, named_state
+from ckptplan.profiler.workspace import Call, call_key
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +259,10 @@ class Recording:
     outputs: list[int] = field(default_factory=list)
     loss_nodes: list[int] = field(default_factory=list)
     loss_scalar_bytes: int = 0
+    loss_is_output: bool = False
     seed_bytes: int = 0
     output_value: Any = None
+    calls: list[Call] = field(default_factory=list)  # each node's op and (fake) arguments, for ``workspace``
 
 
 class _Recorder:
@@ -440,6 +444,18 @@ def _run(recorder: _Recorder, fx_node: torch.fx.Node, args: tuple, kwargs: dict)
         return _call(recorder.gm, fx_node, args, kwargs)
 
 
+def _workspace_call(gm: torch.fx.GraphModule, fx_node: torch.fx.Node, args: tuple, kwargs: dict) -> Call:
+    """The node's op for ``profiler.workspace`` to run for real (a module call on a copy)."""
+
+    def prepare() -> tuple[Any, tuple[torch.Tensor, ...]]:
+        if fx_node.op != "call_module":
+            return (lambda a, k: _call(gm, fx_node, a, k)), ()
+        module = copy.deepcopy(gm.get_submodule(fx_node.target))
+        return (lambda a, k: module(*a, **k)), tuple(p for p in module.parameters() if p.requires_grad)
+
+    return Call(fx_node.name, call_key(fx_node.target, args, kwargs), prepare, args, kwargs)
+
+
 def _call(gm: torch.fx.GraphModule, fx_node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
     if fx_node.op == "call_function":
         return fx_node.target(*args, **kwargs)
@@ -462,6 +478,7 @@ def _record_node(
     index = len(rec.nodes)
     args = torch.fx.node.map_arg(fx_node.args, lambda n: env[n])
     kwargs = torch.fx.node.map_arg(fx_node.kwargs, lambda n: env[n])
+    rec.calls.append(_workspace_call(gm, fx_node, args, kwargs))
     flops_before = counter.flops.get_total_flops()
     counter.alloc.start(recorder.storage_of.keys())
     versions = _versions((args, kwargs))
@@ -710,7 +727,8 @@ def _record_outputs(recorder: _Recorder, fx_node: torch.fx.Node, env: dict, loss
         # when the forward runs under it), for its dtype; a scalar loss is only reshaped (a view).
         loss = training_loss(value)
         rec.seed_bytes = loss.element_size()
-        rec.loss_scalar_bytes = 0 if len(leaves) == 1 and leaves[0].numel() == 1 else loss.element_size()
+        rec.loss_is_output = len(leaves) == 1 and leaves[0].numel() == 1
+        rec.loss_scalar_bytes = 0 if rec.loss_is_output else loss.element_size()
 
 
 def iter_compute_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:

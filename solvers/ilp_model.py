@@ -295,6 +295,36 @@ class _Builder:
                 lt = m.NewBoolVar(f"last_trig_{t}")
                 m.AddBoolOr([self.rec[t].Not(), self.next_trig[t], lt])
                 self.last_trig[t] = lt
+        self.rng_stashes()
+
+    def rng_stashes(self) -> None:
+        """``randafter_{t}`` (exact), ``stash_{s}`` and ``randreg_{t}`` (lower bounds): a region
+        holding a node that draws random numbers stashes the RNG state
+        (``graph.rng_state_bytes``) from its start until backward passes it, and keeps a second
+        copy while recomputing (``simulation``'s ``_rng_key``). ``stash_held[i]``: the bytes of
+        the stashes held at forward or backward event i (regions starting at or before i)."""
+        m, n, g = self.m, self.n, self.g
+        self.stash_held: list = [0] * n
+        self.randreg: list = [self.false] * n
+        random = [node.random for node in g.nodes]
+        if not g.rng_state_bytes or not any(random):
+            return
+        randafter, _ = self._found_later(random, "randafter", "nextrand")
+        running: list = []
+        for t in range(n):
+            stash = m.NewBoolVar(f"stash_{t}")
+            self.implies([self.start[t], randafter[t]], stash)
+            running.append(g.rng_state_bytes * stash)
+            if len(running) > 64:  # keep each constraint short: fold the running sum into a var
+                folded = m.NewIntVar(0, self.upper, f"stashes_{t}")
+                m.Add(folded == sum(running))
+                running = [folded]
+            self.stash_held[t] = sum(running)
+            here = m.NewBoolVar(f"randreg_{t}")
+            m.AddImplication(randafter[t], here)
+            if t > 0:
+                m.AddBoolOr([self.cont[t].Not(), self.randreg[t - 1].Not(), here])
+            self.randreg[t] = here
 
     def _found_later(self, flags: list[bool], name: str, next_name: str) -> tuple[list, list]:
         """Exact ``{name}_{t}``: t's region holds a node with ``flags`` set at t or later; and
@@ -483,7 +513,7 @@ class _Builder:
         for i in range(self.n):
             program += sum(g.storages[s].nbytes for s in starts_at[i])
             live = self.resident + program + g.nodes[i].fwd_workspace_bytes
-            row = (live + sum(retained), [])
+            row = (live + sum(retained) + self.stash_held[i], [])
             self.event(("forward", i), lambda row=row: row)
             for s in retired_after[i]:
                 program -= g.storages[s].nbytes
@@ -506,7 +536,7 @@ class _Builder:
         for i in self.base.runs:
             self.event(("backward", i), lambda i=i: (
                 self.resident + self.base.during[i] + sum(self.held_originals(i)) + sum(self._copy_terms(i))
-                + sum(self._again_terms(i)), []))
+                + sum(self._again_terms(i)) + self.stash_held[i], []))
 
     def _again_terms(self, i: int) -> list:
         """What recomputing rematerialised nodes in saver i's backward allocates (``again``, and
@@ -560,7 +590,7 @@ class _Builder:
                     m.Add(tb[a] >= tb[b]).OnlyEnforceIf(self.cont[b])
             lt = self.last_trig.get(u)
             if lt is not None:
-                m.Add(tb[u] >= self.base.before[u] + sum(self.held_originals(u))).OnlyEnforceIf(lt)
+                m.Add(tb[u] >= self.base.before[u] + sum(self.held_originals(u)) + self.stash_held[u]).OnlyEnforceIf(lt)
 
     def _recompute_row(self, t: int) -> Row:
         """The recompute running node t: the bytes held at its region's last trigger, the
@@ -569,6 +599,8 @@ class _Builder:
         work = self.g.nodes[t].fwd_workspace_bytes
         self._make_trigger_bytes(max(0, t - self.W + 1), min(self.n, t + self.W))
         live = self.resident + self.trigger_bytes[t] + sum(self._rc_terms(t)) + sum(self._cachelive_terms(t))
+        if self.randreg[t] is not self.false:
+            live += self.g.rng_state_bytes * self.randreg[t]  # fork_rng's copy while recomputing
         if work:
             live += work - work * self._keep_var(t)
         return live, [self.rec[t], self.stopafter[t], self.hastrig[t]]

@@ -19,9 +19,8 @@ from ckptplan.profiler.loss import training_loss
 from tests.architectures import ARCHITECTURES
 
 LIMIT_SECONDS = 2.0  # per solve: the test checks what a short solve promises, not its quality
-# Measured (MemTracker) against predicted peak, as in test_measured.py. T5 at its least peak
-# measures 1.9% over (16 KiB in the recompute of an attention with a position bias), Qwen2 and
-# Whisper 4 bytes (a scalar): see docs/limits.md.
+# Measured (the allocator's count) against predicted peak, as in test_measured.py: T5 and
+# Whisper measure 1-2% over at their least peaks (docs/limits.md).
 TOLERANCE = 0.03
 
 

@@ -101,9 +101,10 @@ def test_cost_curve_matches_the_reference_dp_at_every_budget(
 
 def test_cost_curve_matches_the_reference_dp_on_a_graph_with_skips() -> None:
     """The U-Net's finest stage chain: nested regions, skips and merged stages exercise every
-    state the reference memoises."""
+    state the reference memoises. (Without measured kernel workspaces: at this size the
+    convolutions' put the chain's least plan above the unplanned peak, and the curve is empty.)"""
     model, args = load_example("unet").build(batch=1, size=32)
-    graph = ckptplan.profile(model, args)
+    graph = ckptplan.profile(model, args, workspaces=False)
     chain = build_chain(graph, stage_starts(graph, max_stages=12, skip_share=1.0))
     span = graph.baseline_peak_bytes - graph.static.resident_bytes
     unit = -(-span // 200)

@@ -20,9 +20,12 @@ from ckptplan.profiler.loss import training_loss
 from ckptplan.solvers.ilp_model import keepable
 from tests import models
 from tests.conftest import load_example
+from tests.ilp_oracles import model_peak
 
 TOLERANCE = 0.03  # relative; issue #2 asks for 5%, #5 for 3%
-SCALAR_SLACK_BYTES = 16
+# Scalars the model does not place exactly: the loss and seed beside MemTracker's, and under the
+# allocator's count the 0-dim tensors ops make of Python numbers (a GPT-2 step: 43 bytes at its peak).
+SCALAR_SLACK_BYTES = 64
 
 
 def _assert_close(predicted: int, measured: int, what: str) -> None:
@@ -235,18 +238,43 @@ class _ChannelsLastConv(torch.nn.Module):
 
 def test_gradient_layout_copies_are_counted() -> None:
     """The copy of a gradient made in another layout than its parameter's is where this step
-    peaks. The simulator counts it during the convolution's backward, where autograd makes it
-    just after, once the convolution's saved input is freed: never under the measured peak, over
-    it by at most that input; the prediction would fall short without it."""
+    peaks, as tensors count it (the convolution's kernel temporaries left out). The simulator
+    counts it during the convolution's backward, where autograd makes it just after, once the
+    convolution's saved input is freed: never under the measured peak, over it by at most that
+    input; the prediction would fall short without it."""
     torch.manual_seed(0)
     model, args = _ChannelsLastConv(), (torch.randn(2, 64, 8, 8),)
-    graph = ckptplan.profile(model, args)
+    graph = ckptplan.profile(model, args, workspaces=False)
     (conv,) = [node for node in graph.nodes if node.param_grad_copies]
     weight = graph.storages[conv.param_grad_copies[0]]
     assert weight.nbytes == model.conv.weight.numel() * 4
-    measured = ckptplan.measure_step(model, args).peak_bytes
+    measured = ckptplan.measure_step(model, args, counter="tensors").peak_bytes
     saved_input = sum(graph.storages[s].nbytes for s in conv.saved if not graph.storages[s].is_static)
     assert measured <= graph.baseline_peak_bytes <= measured + saved_input
     nodes = tuple(dataclasses.replace(node, param_grad_copies=()) for node in graph.nodes)
     without = dataclasses.replace(graph, nodes=nodes)
     assert ckptplan.simulate(without).peak_bytes <= measured - weight.nbytes // 2
+    # As the allocator counts it: the kernel's temporaries (its dense copy of the loss's
+    # broadcast seed among them), then the layout copy once they are freed; to the byte.
+    with_workspaces = ckptplan.profile(model, args)
+    assert with_workspaces.baseline_peak_bytes == ckptplan.measure_step(model, args).peak_bytes
+
+
+def test_regions_that_draw_random_numbers_hold_the_rng_state_they_replay() -> None:
+    """Checkpoint stashes the CPU generator's state (5,056 bytes) for a region with dropout, holds
+    it with the region's inputs and copies it while recomputing; a region without random ops
+    stashes nothing. The allocator's count of the step is the prediction, to the byte, and the
+    ilp model's peak is the simulator's."""
+    torch.manual_seed(0)
+    model, args = models.DropoutEverywhere(width=256), (torch.randn(512, 256),)
+    graph = ckptplan.profile(model, args)
+    assert graph.rng_state_bytes == torch.get_rng_state().nbytes == 5056
+    plain = ckptplan.profile(models.mlp(depth=4, width=256), args)
+    for g, regions in ((graph, [Region(0, 4), Region(4, 8, keep=("linear_1",))]), (plain, [Region(0, 4), Region(4, 8)])):
+        emitted = ckptplan.emit(g, regions)
+        torch.manual_seed(0)
+        measured = ckptplan.measure_step(emitted, args).peak_bytes
+        assert measured == ckptplan.simulate(g, regions).peak_bytes == model_peak(g, tuple(regions))
+    with_stash = ckptplan.simulate(graph, [Region(0, 4)]).peak_bytes
+    without = ckptplan.simulate(dataclasses.replace(graph, rng_state_bytes=0), [Region(0, 4)]).peak_bytes
+    assert with_stash - without == 5056

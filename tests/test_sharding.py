@@ -190,7 +190,9 @@ def _ddp_emitted(rank: int, world: int) -> tuple:
     # ``mul.out`` of a gradient scaled by 1/world) on: here before the step's peak.
     training_loss(emitted(shard)).backward()
     buckets = sum(int(b) for b in emitted._get_ddp_logging_data()["bucket_sizes"].split(", "))
-    measured = ckptplan.measure_step(emitted, (shard,)).peak_bytes
+    # Tensor by tensor: the buckets exist before the step, where the allocator's count of it
+    # (``measure_step``'s default) starts; MemTracker sees the reducer write into them.
+    measured = ckptplan.measure_step(emitted, (shard,), counter="tensors").peak_bytes
     return grads, len(plan.regions), graph.static.bucket_bytes, buckets, plan.prediction.peak_bytes, measured
 
 

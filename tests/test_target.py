@@ -95,7 +95,9 @@ def test_dropout_that_runs_no_kernel_is_left_alone() -> None:
             return self.a(nn.functional.dropout(x, 0.0, training=True))
 
     model, args = NoDrop(), (torch.randn(BATCH, WIDTH),)
-    default, cuda = ckptplan.profile(model, args), ckptplan.profile(model, args, target="cuda")
+    # Kernel workspaces are measured only for the device the model is on: left out of both.
+    default = ckptplan.profile(model, args, workspaces=False)
+    cuda = ckptplan.profile(model, args, target="cuda")
     assert cuda.nodes == default.nodes and cuda.storages == default.storages
 
 
