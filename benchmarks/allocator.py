@@ -1,0 +1,96 @@
+"""Predicted peaks against what the allocator counts, on CPU.
+
+    python benchmarks/allocator.py [--models gpt,resnet,unet,efficientnet,...] [--budget 0.6]
+
+For each model (the examples, and ``tests/architectures.py``'s architectures built locally), the
+step without checkpointing and ``auto``'s plan at the budget (a fraction of the no-checkpoint
+peak; the least peak it states where that is infeasible) run for real: their peak as the CPU
+allocator counts it (``ckptplan.measure_step``: the profiler's memory events, with the module's
+state and inputs) against the prediction, with the kernel workspaces the profiler measures and
+without them (``profile(..., workspaces=False)``: what fake tensors see). Writes
+``benchmarks/results/allocator.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+from pathlib import Path
+
+import torch
+
+import ckptplan
+from ckptplan.errors import InfeasibleBudgetError
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "allocator.md"
+MIB = 2**20
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _builders() -> dict:
+    builders = {}
+    for example in ("gpt", "resnet", "unet"):
+        build = _load(ROOT / "examples" / f"{example}.py", f"ckptplan_bench_{example}").build
+        builders[example] = lambda build=build: (*build(), {})
+    builders.update(_load(ROOT / "tests" / "architectures.py", "ckptplan_bench_architectures").ARCHITECTURES)
+    return builders
+
+
+def _row(name: str, what: str, measured: int, predicted: int, fake: int) -> str:
+    def error(value: int) -> str:
+        return f"{(value - measured) / measured:+.2%}"
+
+    return (f"| {name} | {what} | {measured / MIB:.2f} | {predicted / MIB:.2f} ({error(predicted)}) | "
+            f"{fake / MIB:.2f} ({error(fake)}) |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=None, help="comma-separated; default: all")
+    parser.add_argument("--budget", type=float, default=0.6)
+    parser.add_argument("--time-limit", type=float, default=5.0)
+    options = parser.parse_args()
+    builders = _builders()
+    names = options.models.split(",") if options.models else list(builders)
+    rows = []
+    for name in names:
+        model, args, kwargs = builders[name]()
+        graph = ckptplan.profile(model, args, kwargs)
+        fake = ckptplan.profile(model, args, kwargs, workspaces=False)
+        torch.manual_seed(0)
+        measured = ckptplan.measure_step(model, args, kwargs).peak_bytes
+        rows.append(_row(name, "no checkpointing", measured, graph.baseline_peak_bytes, fake.baseline_peak_bytes))
+        print(rows[-1], flush=True)
+        try:
+            plan = ckptplan.solve(graph, options.budget, time_limit=options.time_limit)
+            what = f"auto at {options.budget:g}"
+        except InfeasibleBudgetError as error:
+            plan = ckptplan.solve(graph, error.min_peak_bytes, time_limit=options.time_limit)
+            what = "auto at its stated least"
+        torch.manual_seed(0)
+        measured = ckptplan.measure_step(ckptplan.emit(graph, plan), args, kwargs).peak_bytes
+        rows.append(_row(name, what, measured, plan.prediction.peak_bytes, ckptplan.simulate(fake, plan).peak_bytes))
+        print(rows[-1], flush=True)
+    command = (f"`python benchmarks/allocator.py --budget {options.budget:g}` on {platform.machine()}, torch "
+               f"{torch.__version__}, CPU. Measured: the allocator's peak over one step (MiB, with the module's "
+               "state and inputs). Predicted: the plan's peak, with the kernel workspaces the profiler measures; "
+               "fake only: the same plan simulated on the profile without them.")
+    text = "\n".join([
+        "# Predicted peaks against the allocator (CPU)", "", command, "",
+        "| model | step | measured | predicted | fake only |", "|---|---|---|---|---|", *rows, "",
+    ])
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(text)
+    print(f"written to {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
