@@ -6,6 +6,10 @@ import contextlib
 import inspect
 import io
 import logging
+import os
+import re
+import sys
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -130,7 +134,7 @@ def trace_model(
             raise
         except Exception as exc:  # the tracers raise many unrelated types; all mean "cannot trace"
             hint = _cache_hint(model) if mode == "symbolic" or "cache" in str(exc).lower() else None
-            raise TraceError(hint or _describe(exc, mode, type(model).__name__)) from exc
+            raise TraceError(hint or _describe(exc, mode, model)) from exc
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(flat):
         raise TraceError(
@@ -252,15 +256,57 @@ def _cache_hint(model: nn.Module) -> str | None:
     )
 
 
-def _describe(exc: BaseException, mode: TraceMode, model_name: str) -> str:
+def _describe(exc: BaseException, mode: TraceMode, model: nn.Module) -> str:
+    """One sentence: which tracer failed on ``model``, on what construct, where in the user's
+    code (the module and the line), and the other tracer to try."""
     text = str(exc).strip().splitlines()
     first = next((line.strip() for line in text if line.strip()), type(exc).__name__)
     if len(first) > 300:
         first = first[:297] + "..."
     lowered = " ".join(text).lower()
     if "data-dependent" in lowered or "data dependent" in lowered or "control flow" in lowered or "guardondatadependent" in lowered:
-        cause = "it has data-dependent control flow"
+        cause = "data-dependent control flow"
     else:
         cause = f"{type(exc).__name__}: {first}"
+    where = _user_frame(exc, text)
+    if where is not None:
+        cause += f", in {_module_at(model, *where)} at {where[0]}:{where[1]}"
     tracer = "torch.export" if mode == "export" else "torch.fx.symbolic_trace"
-    return f"{tracer} could not trace {model_name} ({cause}); try trace={_OTHER[mode]!r}."
+    if cause.startswith("data-dependent"):  # neither tracer follows a branch on tensor values
+        advice = "make the branch independent of tensor values (torch.where), or move it out of the model's forward"
+    else:
+        advice = f"try trace={_OTHER[mode]!r}"
+    return f"{tracer} could not trace {type(model).__name__} ({cause}); {advice}."
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
+
+
+def _user_frame(exc: BaseException, text: list[str]) -> tuple[str, int, str] | None:
+    """(file, line, function) of the model's code where tracing failed: the call torch.export
+    names ("The following call raised this error"), else the innermost traceback frame outside
+    torch and ckptplan."""
+    for k, line in enumerate(text):
+        if "following call raised this error" in line and k + 1 < len(text):
+            match = _FRAME.search(text[k + 1])
+            if match:
+                return match["file"], int(match["line"]), match["function"]
+    frames = traceback.extract_tb(exc.__traceback__)
+    packages = [torch, *(m for name, m in sys.modules.items() if name.split(".")[0] == "ckptplan")]
+    ours = tuple({os.path.dirname(m.__file__) + os.sep for m in packages if getattr(m, "__file__", None)})
+    user = [f for f in frames if not f.filename.startswith(ours) and "<frozen" not in f.filename]
+    if not user or user[-1].lineno is None:
+        return None
+    return user[-1].filename, user[-1].lineno, user[-1].name
+
+
+def _module_at(model: nn.Module, file: str, line: int, function: str) -> str:
+    """The submodule whose class defines ``function`` around ``file``:``line`` (its path in the
+    model, or the class), else ``function`` itself."""
+    for path, module in model.named_modules():
+        code = getattr(getattr(type(module), function, None), "__code__", None)
+        if code is not None and code.co_filename == file and code.co_firstlineno <= line:
+            last = max((lineno for _, _, lineno in code.co_lines() if lineno is not None), default=code.co_firstlineno)
+            if line <= last:
+                return f"{path or type(model).__name__} ({type(module).__name__}.{function})"
+    return function

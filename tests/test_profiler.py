@@ -124,12 +124,26 @@ class DataDependent(nn.Module):
         return h
 
 
-def test_untraceable_model_names_cause_and_other_tracer() -> None:
-    with pytest.raises(TraceError, match="symbolic") as info:
-        ckptplan.profile(DataDependent(), (torch.randn(4, 8),))
-    assert "data-dependent" in str(info.value)
-    with pytest.raises(TraceError, match="export"):
-        ckptplan.profile(DataDependent(), (torch.randn(4, 8),), trace="symbolic")
+def test_untraceable_model_names_the_construct_where_it_is_and_what_to_do() -> None:
+    """A branch on tensor values stops both tracers: the error names it, the module and the line,
+    and how to rewrite it, never sending the user from one tracer to the other. A construct only
+    one tracer cannot follow sends the user to the other."""
+    line = DataDependent.forward.__code__.co_firstlineno + 2  # the ``if``
+    for trace in ("export", "symbolic"):
+        with pytest.raises(TraceError) as info:
+            ckptplan.profile(DataDependent(), (torch.randn(4, 8),), trace=trace)
+        message = str(info.value)
+        assert "data-dependent control flow" in message and "(DataDependent.forward)" in message
+        assert f"test_profiler.py:{line}" in message and "torch.where" in message
+        assert "try trace" not in message
+
+    class SizedNoise(nn.Module):  # torch.empty with a traced size: export follows it, symbolic tracing cannot
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.empty(x.shape[0], 1).bernoulli_(0.5)
+
+    with pytest.raises(TraceError, match="try trace='export'"):
+        ckptplan.profile(SizedNoise(), (torch.randn(4, 8),), trace="symbolic")
+    assert ckptplan.profile(SizedNoise(), (torch.randn(4, 8),)).nodes
 
 
 def test_symbolic_trace_records_the_same_memory_as_export() -> None:
