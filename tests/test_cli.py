@@ -225,13 +225,16 @@ def test_missing_named_function(tiny: Path) -> None:
     assert "no function 'make_huge'" in result.stderr
 
 
-def test_untraceable_model_suggests_symbolic(workdir: Path) -> None:
+def test_untraceable_model_names_the_branch_and_how_to_rewrite_it(workdir: Path) -> None:
+    """A branch on tensor values stops both tracers: one line naming it and its place in the
+    model file, and the rewrite, not the other tracer."""
     result = invoke("profile", write(workdir, "branchy.py", DATA_DEPENDENT))
     assert result.exit_code == 1
     # torch.export itself prints the partial graph to stderr before raising; ours is the last line.
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("Error: ")
-    assert "symbolic" in last_line
+    assert "data-dependent control flow" in last_line and "branchy.py:" in last_line
+    assert "torch.where" in last_line and "try trace" not in last_line
 
 
 # --- budgets, solvers, options -----------------------------------------------------------------
