@@ -1,9 +1,10 @@
 """Solve each bundled example at a budget, run one real CPU step of the emitted module, and print
-predicted vs measured peak (MemTracker) and a gradient check as a Markdown table.
+predicted vs measured peak (the allocator's count, ``ckptplan.measure_step``) and a gradient
+check as a Markdown table.
 
     python benchmarks/measure_examples.py [--budget 0.6] [--solver auto]
 
-The README's "Measured" table is this script's output.
+The first table of ``docs/results.md`` is this script's output.
 """
 
 from __future__ import annotations

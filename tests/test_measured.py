@@ -175,7 +175,7 @@ def test_every_solver_plan_trains_equally_within_budget(case: str) -> None:
         for (name, b), c in zip(model.named_buffers(), reference.buffers(), strict=True):
             torch.testing.assert_close(b, c, msg=f"{solver}: buffer {name}")
         measured = ckptplan.measure_step(emitted, args, kwargs).peak_bytes
-        # A few bytes of scalars are not modelled exactly (README, Limits): at a budget equal to the
+        # A few bytes of scalars are not modelled exactly (docs/limits.md): at a budget equal to the
         # least peak, the step may use up to SCALAR_SLACK_BYTES more.
         assert measured <= plan.budget.bytes + SCALAR_SLACK_BYTES, (
             f"{solver} on {case}: measured {measured} over budget {plan.budget.bytes}"
