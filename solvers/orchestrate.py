@@ -49,7 +49,10 @@ def solve(
             "this is a bug in ckptplan, please report it."
         )
     requested = budget if isinstance(budget, str) else repr(budget)
-    return plan.model_copy(update={"budget": BudgetInfo(requested=requested, bytes=budget_bytes)})
+    update: dict = {"budget": BudgetInfo(requested=requested, bytes=budget_bytes)}
+    if ctx.cancelled and "Ctrl-C" not in plan.solver.note:
+        update["solver"] = plan.solver.model_copy(update={"note": f"{plan.solver.note}; stopped by Ctrl-C".lstrip("; ")})
+    return plan.model_copy(update=update)
 
 
 def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> None:
