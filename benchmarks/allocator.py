@@ -14,34 +14,17 @@ without them (``profile(..., workspaces=False)``: what fake tensors see). Writes
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import platform
-from pathlib import Path
 
 import torch
+import zoo  # benchmarks/zoo.py, beside this script
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = zoo.ROOT
 RESULTS = ROOT / "benchmarks" / "results" / "allocator.md"
 MIB = 2**20
-
-
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _builders() -> dict:
-    builders = {}
-    for example in ("gpt", "resnet", "unet"):
-        build = _load(ROOT / "examples" / f"{example}.py", f"ckptplan_bench_{example}").build
-        builders[example] = lambda build=build: (*build(), {})
-    builders.update(_load(ROOT / "tests" / "architectures.py", "ckptplan_bench_architectures").ARCHITECTURES)
-    return builders
 
 
 def _row(name: str, what: str, measured: int, predicted: int, fake: int) -> str:
@@ -58,7 +41,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.6)
     parser.add_argument("--time-limit", type=float, default=5.0)
     options = parser.parse_args()
-    builders = _builders()
+    builders = zoo.builders()
     names = options.models.split(",") if options.models else list(builders)
     rows = []
     for name in names:

@@ -12,35 +12,18 @@ must be met. Writes ``benchmarks/results/time_limits.md``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
+import zoo  # benchmarks/zoo.py, beside this script
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = zoo.ROOT
 RESULTS = ROOT / "benchmarks" / "results" / "time_limits.md"
-
-
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _builders() -> dict:
-    architectures = _load(ROOT / "tests" / "architectures.py", "ckptplan_bench_architectures")
-    builders = dict(architectures.ARCHITECTURES)
-    for example in ("gpt", "resnet", "unet"):
-        build = _load(ROOT / "examples" / f"{example}.py", f"ckptplan_bench_{example}").build
-        builders[example] = lambda build=build: (*build(), {})
-    return builders
 
 
 def _solve(graph: ckptplan.ComputeGraph, budget: float, limit: float) -> tuple[float, str, int | None]:
@@ -61,7 +44,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="0.5,0.3")
     parser.add_argument("--models", default=None, help="comma-separated; default: all")
     options = parser.parse_args()
-    builders = _builders()
+    builders = zoo.builders()
     names = options.models.split(",") if options.models else list(builders)
     budgets = [float(b) for b in options.budgets.split(",")]
     rows = []
