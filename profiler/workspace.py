@@ -141,7 +141,6 @@ class _Windows:
         self.device = device
         self.fwd: dict[int, tuple[int, int]] = {}  # k -> (peak beyond the start, bytes alive past it)
         self.bwd: dict[int, tuple[int, int]] = {}  # k -> (peak beyond the start, bytes returned)
-        self._returned: dict[tuple[int, str], int] = {}
         self._failed: set[int] = set()
         self.events: Callable[[], list[Any]] | None = None  # CPU: the allocator's events, once recorded
 
