@@ -94,3 +94,19 @@ def test_verify_refuses_a_meta_model_in_one_sentence(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["verify", str(model_file), "--plan", str(plan_file)])
     assert result.exit_code == 1 and "meta device" in result.stderr
     assert "Traceback" not in result.output and len(result.stderr.strip().splitlines()) <= 3
+
+
+def test_verify_measures_a_resnet_plan_at_its_least_peak_within_budget() -> None:
+    """The allocator's count of the step, not MemTracker's (whose hooks make autograd add
+    gradients at the residual branches out of place): a plan at the least peak ``auto`` states
+    measures exactly its prediction, within its budget."""
+    from tests.conftest import load_example
+
+    model, args = load_example("resnet").build(batch=8, size=32)
+    graph = ckptplan.profile(model, args)
+    with pytest.raises(ckptplan.InfeasibleBudgetError) as least:
+        ckptplan.solve(graph, 0.2, time_limit=3)
+    plan = ckptplan.solve(graph, least.value.min_peak_bytes, time_limit=3)
+    result = ckptplan.verify(model, args, plan, steps=1)
+    assert result.within_budget and result.gradients_equal
+    assert result.measured_peak_bytes == result.predicted_peak_bytes
