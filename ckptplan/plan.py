@@ -110,11 +110,16 @@ class BudgetInfo(_Frozen):
 
 
 class SolverInfo(_Frozen):
+    """Which solver made the plan and how: ``origin`` names the phase that made its regions when
+    that is not the solver itself (``ilp``'s ``"block by block"``, or the warm-start solver whose
+    plan it returns); plans without one leave the key out of their JSON."""
+
     name: str
     status: SolverStatus
     seconds: float = Field(ge=0.0)
     gap: float | None = None
     note: str = ""
+    origin: str | None = None
 
 
 class Prediction(_Frozen):
@@ -198,6 +203,8 @@ class Plan(_Frozen):
         raw = self.model_dump(mode="json")
         if not raw["remat"]:
             del raw["remat"]  # plans without it read as before, by earlier versions too
+        if raw["solver"]["origin"] is None:
+            del raw["solver"]["origin"]  # likewise
         return json.dumps(raw, indent=2, sort_keys=False) + "\n"
 
     @classmethod

@@ -389,7 +389,7 @@ def solve_hierarchical(
         if not warm:
             least, regions = blocks.least_peak(graph, dec, windows)
             info = SolverInfo(name="ilp", status="feasible", seconds=time.perf_counter() - started,
-                              note=f"{note}; the least-peak choice of block policies")
+                              note=f"{note}; the least-peak choice of block policies", origin=HIERARCHICAL)
             least_plan = solver_plan(graph, regions, max(least, budget_bytes), info)
             if least <= budget_bytes:
                 return least_plan
@@ -401,18 +401,20 @@ def solve_hierarchical(
         best = min(warm, key=lambda p: p.prediction.cost_seconds)
         return best.model_copy(update={"solver": SolverInfo(
             name="ilp", status="feasible", seconds=time.perf_counter() - started,
-            note=f"{note}; no block choice fits, returning the {best.solver.name} plan")})
+            note=f"{note}; no block choice fits, returning the {best.solver.name} plan", origin=_origin(best))})
     regions, report, repairs = result
     if repairs:
         note += f"; chosen again {repairs} time(s) below the budget where blocks interact"
     plan = solver_plan(graph, regions, budget_bytes, SolverInfo(
-        name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note), report=report)
+        name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note, origin=HIERARCHICAL),
+        report=report)
     cheaper = [p for p in warm if p.prediction.cost_seconds < plan.prediction.cost_seconds]
     if cheaper:
         best = min(cheaper, key=lambda p: p.prediction.cost_seconds)
         return best.model_copy(update={"solver": SolverInfo(
             name="ilp", status="feasible", seconds=time.perf_counter() - started,
-            note=f"the {best.solver.name} plan is cheaper than the block-by-block plan ({dec.describe()})")})
+            note=f"the {best.solver.name} plan is cheaper than the block-by-block plan ({dec.describe()})",
+            origin=_origin(best))})
     return plan
 
 
@@ -662,5 +664,5 @@ def starting_plan(
 
 
 def _origin(plan: Plan) -> str:
-    """How a warm-start plan was made, for notes."""
-    return HIERARCHICAL if plan.solver.note.startswith(HIERARCHICAL) else plan.solver.name
+    """What made a warm-start plan's regions, for notes (``SolverInfo.origin``)."""
+    return plan.solver.origin or plan.solver.name
