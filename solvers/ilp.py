@@ -42,81 +42,33 @@ from ckptplan.units import describe_bytes
 
 log = logging.getLogger(__name__)
 
+# ilp's tuning constants, one line each; the measurements behind them are in docs/tuning.md
+# ("ilp"), under the constant's name.
 DEFAULT_TIME_LIMIT = registry.default_seconds("ilp")  # seconds, when the caller gives none
-WARM_SOLVERS = ("dp", "sqrt")
-# CP-SAT's deterministic clock ran at 0.4-0.6 of wall time on the examples here (2 cores); a
-# limit of 0.3 of the time left stops the search on that clock well before the wall clock.
-DETERMINISTIC_SECONDS_PER_SECOND = 0.3
+WARM_SOLVERS = ("dp", "sqrt")  # whose plans the search starts from
+DETERMINISTIC_SECONDS_PER_SECOND = 0.3  # CP-SAT deterministic seconds per second asked for
 LNS_WINDOW = 24  # nodes whose decisions one local-search step frees
 LNS_DETERMINISTIC_SECONDS = 1.0  # deterministic-time limit of one local-search step
-GLOBAL_SHARE = 0.5  # of the time left after warm starts: the lazy search; the rest is local
-# Of the time limit, at most (but REFINE_MIN_SECONDS at least): more keeps on the warm plans
-# (``refine``; 0.01-0.2 s each on the examples' graphs of 52-160 nodes). The floor stays small:
-# block policies run many solves of a fraction of a second each.
-REFINE_SHARE = 0.1
-REFINE_MIN_SECONDS = 0.02
-# Those seconds become a count of moves (``refine.Moves``), so that the start does not depend on
-# the machine's speed: one simulate took 7-26 us per node on ilp_speed's graphs here.
-SIMULATE_SECONDS_PER_NODE = 15e-6
-FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block (solvers.blocks)
-# Of ``solve_hierarchical``'s limit, the block policies' (``blocks.decompose``): half, where the
-# block-by-block plan is a warm start or where ``sqrt``'s plan is made within the same limit.
-POLICY_SHARE = 0.5
-# Without a proof phase to follow, on a larger graph with warm plans given (as ``auto`` gives
-# them) and at least LARGE_POLICY_MIN_SECONDS, the block policies get LARGE_POLICY_SHARE of the
-# limit; then ``keep_more`` gets LARGE_REFINE_SHARE of it in ``refine.add_keeps`` moves. Longer
-# block solves pay there: with ``auto`` at 30 s, the 12- and 23-layer GPT-2s at 50% of their
-# peak cost 0.029 and 0.025 of the step with 0.7 (in 16 s), 0.043 and 0.039 with 0.5; GPT-3 at
-# 80 GB 17.8-18.2% of the step in three runs, 18.2% in two with 0.5 (its block solves end on the
-# wall clock too, so runs differ). One simulate took 13-40 us per node on such graphs
-# here (GPT-3's 4,575 nodes: 0.12-0.18 s within one hour), so a move is priced at the top of
-# that; moves past the first 24 kept nothing more on GPT-3 (18.2% after 24, 49 or 400).
-LARGE_POLICY_SHARE = 0.7
-# Below this limit the block policies are quick ones (refined starting plans, no CP-SAT), which
-# gained nothing from the larger share at 2 and 6 s on those GPT-2s and ran up to 0.8 s over 2 s
-# (``ilp_speed.py --limits 2,6,20,30 --solver auto``), so they keep POLICY_SHARE there.
+GLOBAL_SHARE = 0.5  # of the reproducible search: the lazy search; the rest is local search
+REFINE_SHARE = 0.1  # of the limit: more keeps on the warm plans (``refine``) ...
+REFINE_MIN_SECONDS = 0.02  # ... and at least this
+SIMULATE_SECONDS_PER_NODE = 15e-6  # what one refine move is priced at, per node
+FLAT_MAX_NODES = 400  # larger graphs of repeated blocks are solved block by block
+POLICY_SHARE = 0.5  # of ``solve_hierarchical``'s limit: the block policies
+LARGE_POLICY_SHARE = 0.7  # ... on larger graphs given warm plans and LARGE_POLICY_MIN_SECONDS
 LARGE_POLICY_MIN_SECONDS = 10.0
-LARGE_REFINE_SHARE = 0.15
-LARGE_SIMULATE_SECONDS_PER_NODE = 40e-6
-# Up to this many nodes, the proof phase runs on the whole graph after the block-by-block plan when
-# the limit leaves it MIN_PROOF_SECONDS: transformers GPT-2 at 50% of its peak, 60 s: proven in
-# 25 s at 12 layers (555 nodes), 43 s at 23 (1,006 nodes; ``benchmarks/RESULTS.md``). Larger
-# graphs need SLOW_PROOF_MIN_SECONDS, else they get the block-by-block plan and ``keep_more``:
-# on GPT-3's 4,575 nodes (80 GB, 64-way FSDP) the relaxation has 527k variables and 1.15M
-# constraints (3.1 GB resident in all), and with 120 s the proof phase took the plan from the
-# 18.2% of the step ``keep_more`` ends at to 17.1%, within 0.008 of its bound.
-QUICK_PROOF_MAX_NODES = 1_200
-SLOW_PROOF_MIN_SECONDS = 100.0
+LARGE_REFINE_SHARE = 0.15  # of the limit, on larger graphs: ``keep_more``'s moves
+LARGE_SIMULATE_SECONDS_PER_NODE = 40e-6  # what one of those moves is priced at, per node
+QUICK_PROOF_MAX_NODES = 1_200  # up to here the proof phase follows the blocks when it gets MIN_PROOF_SECONDS
+SLOW_PROOF_MIN_SECONDS = 100.0  # larger graphs need this much for it
 HIERARCHICAL = "block by block"  # how notes name the hierarchical mode
-# Of the time limit, when no warm plan fits: the search for the least peak (``least_peak``), whose
-# plan then starts the search, or whose peak the infeasible budget's error states.
-LEAST_SHARE = 0.5
-HIERARCHICAL_SHARE = 0.25  # of the time limit, without a proof phase to follow: the block-by-block warm start
-# The proof phase (``ilp_lazy`` with ``proof_workers()``) runs on the time the reproducible search leaves,
-# if at least this much: CP-SAT's portfolio needs seconds to start raising its bound
-# (and short solves, as in tests and block policies, end without one).
-MIN_PROOF_SECONDS = 10.0
-PROOF_SHARE = 0.3  # of the time limit, kept for the proof phase when that is MIN_PROOF_SECONDS or more
-# On graphs above FLAT_MAX_NODES, whose alternative is the block-by-block plan and ``keep_more``
-# rather than the reproducible search, the proof phase gets this share, so it follows from 20 s
-# on (under ``auto``, which runs ``sqrt`` first within the same limit, from about 21 s). With
-# ``auto`` at 30 s (``ilp_speed.py --limits 20,30 --solver auto``) the 555-node GPT-2 was proven
-# optimal at 70% and 50% of its peak (0.006 and 0.027 of the step, where ``keep_more`` had left
-# 0.006 and 0.029) and the 1,006-node one at 50% (0.023, against 0.025; in 31.4 s), at 70% 0.006.
-LARGE_PROOF_SHARE = 0.5
-# Building the whole CP-SAT model costs about this much per (node, node of its region window)
-# pair: 40-120 us on the examples and GPT-2s of ``benchmarks/ilp_speed.py`` (the GPT example's
-# 20,480 pairs: 1.4-1.5 s). The reproducible search is skipped when the limit cannot pay for two
-# such builds (without this the GPT example asked for 2 s took 4.3-5.0 s), and its local search,
-# which builds the whole model and copies it for each window, when less than one is left. (The
-# lazy search's relaxation, without the backward and recompute rows, costs a fraction of that.)
-BUILD_SECONDS_PER_PAIR = 75e-6
-# A plan the proof portfolio finds is simplified (``refine.simplify``: one simulation per region
-# and keep) for at most this share of the proof phase's time past its end, then returned as far
-# as it got. Its plans can carry many regions that buy nothing (the neighbourhood searches leave
-# them, and each costs the objective little), and on the larger GPT-2s of ``benchmarks/ilp_speed.py``
-# removing them took seconds, past the limit.
-SIMPLIFY_GRACE = 0.05
+LEAST_SHARE = 0.5  # of the limit, when no warm plan fits: the least-peak search
+HIERARCHICAL_SHARE = 0.25  # of the limit, without a proof phase to follow: the block-by-block warm start
+MIN_PROOF_SECONDS = 10.0  # the least time worth a proof phase
+PROOF_SHARE = 0.3  # of the limit, kept for the proof phase when that is MIN_PROOF_SECONDS or more
+LARGE_PROOF_SHARE = 0.5  # the same above FLAT_MAX_NODES
+BUILD_SECONDS_PER_PAIR = 75e-6  # building the CP-SAT model, per (node, node of its window)
+SIMPLIFY_GRACE = 0.05  # of the proof phase's time: simplifying the plan it found, past its end
 
 
 def improve_locally(
