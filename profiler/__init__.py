@@ -27,7 +27,7 @@ from ckptplan.profiler.record import record_graph
 from ckptplan.profiler.shard import shard_layout
 from ckptplan.profiler.static import static_memory
 from ckptplan.profiler.timing import StepTimes, measure_op_seconds
-from ckptplan.profiler.trace import Autocast, Target, TraceMode, model_device_type, trace_model
+from ckptplan.profiler.trace import Autocast, Target, TraceMode, model_device, model_device_type, trace_model
 from ckptplan.profiler.workspace import measure_workspaces
 from ckptplan.sharding import ShardSpec, shard_graph
 
@@ -117,7 +117,7 @@ def profile(
     if workspaces:
         # A loss node of a summed output gets the seed as a broadcast scalar (``training_loss``).
         broadcast = frozenset(nodes[i].name for i in recording.loss_nodes) if recording.loss_scalar_bytes else frozenset()
-        measured = measure_workspaces(recording.calls, _device_of(model, flat_inputs), spec, broadcast)
+        measured = measure_workspaces(recording.calls, model_device(model, flat_inputs), spec, broadcast)
         nodes = _with_workspaces(nodes, measured)
     if measure_times:
         nodes = _with_measured_times(nodes, measure_op_seconds(model, traced.gm, traced.flat_inputs, spec))
@@ -213,11 +213,6 @@ def _with_workspaces(nodes: tuple[Node, ...], measured: dict) -> tuple[Node, ...
         found.append(node)
     return tuple(found)
 
-
-def _device_of(model: nn.Module, flat_inputs: list) -> torch.device:
-    """The device of the model's first floating tensor (as ``model_device_type`` finds its kind)."""
-    tensors = [*model.parameters(), *model.buffers(), *(x for x in flat_inputs if isinstance(x, torch.Tensor))]
-    return next((t.device for t in tensors if t.is_floating_point()), torch.device("cpu"))
 
 
 def _rng_state_bytes(target: str) -> int:

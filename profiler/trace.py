@@ -74,11 +74,16 @@ class Autocast:
         return torch.autocast(device_type=self.device_type, enabled=False)
 
 
-def model_device_type(model: nn.Module, flat_inputs: list[Any]) -> str:
-    """The device type a step of ``model`` runs on: that of its first floating parameter or
-    buffer, else of its first floating input; ``"cpu"`` when it has none."""
+def model_device(model: nn.Module, flat_inputs: list[Any]) -> torch.device:
+    """The device a step of ``model`` runs on: that of its first floating parameter or buffer,
+    else of its first floating input; the CPU when it has none."""
     tensors = [*model.parameters(), *model.buffers(), *(x for x in flat_inputs if isinstance(x, torch.Tensor))]
-    return next((t.device.type for t in tensors if t.is_floating_point()), "cpu")
+    return next((t.device for t in tensors if t.is_floating_point()), torch.device("cpu"))
+
+
+def model_device_type(model: nn.Module, flat_inputs: list[Any]) -> str:
+    """The kind of ``model_device``: ``"cpu"``, ``"cuda"``, ``"meta"``..."""
+    return model_device(model, flat_inputs).type
 
 
 @contextlib.contextmanager

@@ -10,6 +10,12 @@ from ckptplan.plan import BudgetInfo, Plan
 from ckptplan.units import describe_bytes
 
 
+def least_plan(errors: Sequence[InfeasibleBudgetError]) -> Plan | None:
+    """The plan of least peak among the solvers' least-peak plans (cheapest on ties), if any."""
+    plans = [e.least_plan for e in errors if isinstance(e.least_plan, Plan)]
+    return min(plans, key=lambda p: (p.prediction.peak_bytes, p.prediction.cost_seconds), default=None)
+
+
 def least_of(errors: Sequence[InfeasibleBudgetError], budget_bytes: int, what: str) -> Plan:
     """From the solvers' answers to an infeasible ``budget_bytes``: the cheapest of their
     least-peak plans that fits after all (a solver's own search may miss its least-peak plan), else
@@ -22,8 +28,8 @@ def least_of(errors: Sequence[InfeasibleBudgetError], budget_bytes: int, what: s
     if fitting:
         best = min(fitting, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
         return best.model_copy(update={"budget": BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes)})
-    if plans:
-        least = min(plans, key=lambda p: (p.prediction.peak_bytes, p.prediction.cost_seconds))
+    least = least_plan(errors)
+    if least is not None:
         peak = least.prediction.peak_bytes
     elif errors:
         least, peak = None, min(e.min_peak_bytes for e in errors)

@@ -9,7 +9,7 @@ from ckptplan.plan import BudgetInfo, Plan
 from ckptplan.simulation import simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.edges import at_unit_edges
-from ckptplan.solvers.least import least_of
+from ckptplan.solvers.least import least_plan
 from ckptplan.solvers.registry import default_seconds, get_solver
 from ckptplan.solvers.remat_plans import with_remat
 from ckptplan.units import describe_bytes, parse_budget
@@ -75,10 +75,7 @@ def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> 
             errors.append(exc)
     held = (f"the {describe_bytes(floor)} every plan holds before any activation (parameters, buffers, inputs"
             f"{', optimizer state' if graph.static.optimizer_bytes else ''} and gradients)")
-    try:
-        least = plans[0] if plans else least_of(errors, floor, "No plan fits") if errors else None
-    except InfeasibleBudgetError as exc:
-        least = exc.least_plan if isinstance(exc.least_plan, Plan) else None
+    least = plans[0] if plans else least_plan(errors)  # a plan at the floor is the least there is
     if least is None:
         raise InfeasibleBudgetError(
             f"Budget {describe_bytes(budget_bytes)} is below {held}, so no plan's peak is that low; raise the budget, "
