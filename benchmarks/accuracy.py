@@ -40,6 +40,7 @@ from torch import nn
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.simulation import baseline_peak_bytes
 from ckptplan.units import format_bytes
 
 log = logging.getLogger("accuracy")
@@ -232,8 +233,8 @@ def run_case(case: Case, precision: str, solvers: tuple[str, ...], budgets: tupl
     eager = _seeded_peak(reference, work, autocast)
     expected = _gradients(reference)
     unplanned = _seeded_peak(ckptplan.emit(graph, ckptplan.make_plan(graph, [])), work, autocast)
-    fidelity = Fidelity(case.name, precision, graph.baseline_peak_bytes, unplanned, eager, _compare(expected, work.model))
-    rows = [Row(case.name, precision, "1.0", "none", None, graph.baseline_peak_bytes, unplanned, fidelity.grads)]
+    fidelity = Fidelity(case.name, precision, baseline_peak_bytes(graph), unplanned, eager, _compare(expected, work.model))
+    rows = [Row(case.name, precision, "1.0", "none", None, baseline_peak_bytes(graph), unplanned, fidelity.grads)]
     for budget in budgets:
         for solver in solvers:
             work.model.zero_grad(set_to_none=True)

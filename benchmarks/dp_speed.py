@@ -23,6 +23,7 @@ from torch import nn
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.simulation import baseline_peak_bytes
 from ckptplan.solvers.chain import build_chain, stage_starts
 from ckptplan.solvers.dp import solve_chain, solve_dp
 from ckptplan.solvers.dp_curve import cost_curve
@@ -58,10 +59,10 @@ def main() -> None:
     for nodes in (10, 20, 40, 60, 100):
         graph = mlp_graph(nodes)
         chain = build_chain(graph, stage_starts(graph, max_stages=nodes))
-        span = graph.baseline_peak_bytes - chain.resident_bytes
+        span = baseline_peak_bytes(graph) - chain.resident_bytes
         for units in (500, 1000):
             unit = -(-span // units)
-            curve, every_seconds = timed(cost_curve, chain, graph.baseline_peak_bytes, unit)
+            curve, every_seconds = timed(cost_curve, chain, baseline_peak_bytes(graph), unit)
             least = curve.least_units()
             budget = chain.resident_bytes + (least + (units - least) // 4) * unit
             one, one_seconds = timed(cost_curve, chain, budget, unit)
@@ -82,7 +83,7 @@ def main() -> None:
         solve_dp(graph, 1)
     except InfeasibleBudgetError as error:
         least = error.min_peak_bytes
-    budget = least + (graph.baseline_peak_bytes - least) // 4
+    budget = least + (baseline_peak_bytes(graph) - least) // 4
     plan, seconds = timed(solve_dp, graph, budget)
     sqrt_plan, sqrt_seconds = timed(solve_sqrt, graph, budget)
     sqrt_text = f"overhead {sqrt_plan.prediction.overhead:.3f}" if sqrt_plan else "infeasible"
@@ -91,10 +92,10 @@ def main() -> None:
     print("\nWhat merging the 1,000 nodes into fewer stages costs, at the same budget and unit:\n")
     print("| stages | dp s, every budget | overhead |")
     print("|---|---|---|")
-    unit = -(-(graph.baseline_peak_bytes - graph.static.resident_bytes) // 1000)
+    unit = -(-(baseline_peak_bytes(graph) - graph.static.resident_bytes) // 1000)
     for stages in (32, 64, 128):
         chain = build_chain(graph, stage_starts(graph, max_stages=stages))
-        curve, curve_seconds = timed(cost_curve, chain, graph.baseline_peak_bytes, unit)
+        curve, curve_seconds = timed(cost_curve, chain, baseline_peak_bytes(graph), unit)
         overhead = simulate_overhead(graph, curve.regions(budget)) if curve.cost(budget) < float("inf") else None
         shown = f"{overhead:.4f}" if overhead is not None else "infeasible"
         print(f"| {len(chain)} | {curve_seconds:.2f} | {shown} |")

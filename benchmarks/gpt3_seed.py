@@ -23,6 +23,7 @@ import torch
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.simulation import baseline_peak_bytes
 from ckptplan.units import format_bytes, parse_budget
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt3_175b.py"
@@ -61,7 +62,7 @@ def main() -> None:
         model, args, kwargs, optimizer=example.TRAINING["optimizer"], shard=spec, target=example.TRAINING["target"]
     )
     profile_seconds = time.perf_counter() - started
-    budget = parse_budget(options.budget, graph.baseline_peak_bytes)
+    budget = parse_budget(options.budget, baseline_peak_bytes(graph))
     static = graph.static
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}; "
           f"profiled {len(graph.nodes)} nodes on the meta device in {profile_seconds:.0f} s\n")
@@ -69,7 +70,7 @@ def main() -> None:
           f"parameters {format_bytes(static.param_bytes)} (shards + the root's gathered embeddings), "
           f"optimizer state {format_bytes(static.optimizer_bytes)}, gradient shards {format_bytes(static.grad_bytes)}; "
           f"activations saved for backward without checkpointing {format_bytes(graph.activation_bytes)} "
-          f"({graph.activation_bytes / GB:.0f} GB); no-checkpoint peak {format_bytes(graph.baseline_peak_bytes)}; "
+          f"({graph.activation_bytes / GB:.0f} GB); no-checkpoint peak {format_bytes(baseline_peak_bytes(graph))}; "
           f"budget {options.budget} = {format_bytes(budget)}.\n")
     print("| plan | peak per rank | peak above resident | overhead (roofline) | recomputed / forward FLOPs "
           "| regions | solve s |")

@@ -38,6 +38,7 @@ import torch
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.simulation import baseline_peak_bytes
 from ckptplan.solvers.ilp import (
     blocks_share,
     build_model,
@@ -116,7 +117,7 @@ def proof_only(graphs: dict[str, ckptplan.ComputeGraph], time_limit: float) -> N
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, graph in graphs.items():
         for fraction in FRACTIONS:
-            budget = int(fraction * graph.baseline_peak_bytes)
+            budget = int(fraction * baseline_peak_bytes(graph))
             try:
                 start = solve_hierarchical(graph, budget, time_limit=time_limit, warm=())
             except InfeasibleBudgetError:
@@ -137,7 +138,7 @@ def limits(graphs: dict[str, ckptplan.ComputeGraph], seconds: list[float], solve
     print("|---|---|---|---|---|---|---|---|")
     for name, graph in graphs.items():
         for fraction in FRACTIONS:
-            budget = int(fraction * graph.baseline_peak_bytes)
+            budget = int(fraction * baseline_peak_bytes(graph))
             for limit in seconds:
                 started = time.perf_counter()
                 try:
@@ -186,10 +187,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, graph in graphs.items():
         started = time.perf_counter()
-        _, variables = build_model(graph, graph.baseline_peak_bytes)
+        _, variables = build_model(graph, baseline_peak_bytes(graph))
         build_seconds = time.perf_counter() - started
         for fraction in FRACTIONS:
-            budget = int(fraction * graph.baseline_peak_bytes)
+            budget = int(fraction * baseline_peak_bytes(graph))
             blocks, block_seconds = by_blocks(graph, budget, options.time_limit)
             start = start_overhead(graph, budget, options.time_limit)
             started = time.perf_counter()

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 import ckptplan
+from ckptplan.simulation import baseline_peak_bytes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 WIDTHS = (128, 1024)  # the example's own width; a width where matmuls are compute-bound on an A100
@@ -55,7 +56,7 @@ def main() -> None:
     views = {"view", "transpose", "split", "getitem", "contiguous"}
     for width in WIDTHS:
         graph = gpt_graph(width)
-        activation = graph.baseline_peak_bytes - graph.static.resident_bytes
+        activation = baseline_peak_bytes(graph) - graph.static.resident_bytes
         budget = graph.static.resident_bytes + int(options.fraction * activation)
         try:
             plan = ckptplan.solve(graph, budget, solver="ilp", time_limit=options.time_limit)

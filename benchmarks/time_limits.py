@@ -21,6 +21,7 @@ import zoo  # benchmarks/zoo.py, beside this script
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.simulation import baseline_peak_bytes
 
 ROOT = zoo.ROOT
 RESULTS = ROOT / "benchmarks" / "results" / "time_limits.md"
@@ -34,7 +35,7 @@ def _solve(graph: ckptplan.ComputeGraph, budget: float, limit: float) -> tuple[f
     except InfeasibleBudgetError as exc:
         return time.perf_counter() - started, "infeasible", exc.min_peak_bytes
     seconds = time.perf_counter() - started
-    peak = plan.prediction.peak_bytes / graph.baseline_peak_bytes
+    peak = plan.prediction.peak_bytes / baseline_peak_bytes(graph)
     return seconds, f"{plan.solver.status}, {peak:.0%} of peak, overhead {plan.prediction.overhead:.3f}", None
 
 

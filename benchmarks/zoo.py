@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -12,9 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load(path: Path, name: str) -> ModuleType:
-    """The Python file ``path`` as a module named ``name``."""
+    """The Python file ``path`` as a module named ``name`` (registered, so its dataclasses resolve)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -23,9 +23,8 @@ from ckptplan.errors import (
     TraceError,
     UnknownSolverError,
 )
-from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage
+from ckptplan.graph import ComputeGraph, Node, ShardSpec, StaticMemory, Storage
 from ckptplan.plan import Plan, Region, load_plan
-from ckptplan.sharding import ShardSpec
 from ckptplan.units import format_bytes, parse_budget
 
 __version__ = "0.1.0"

@@ -20,13 +20,8 @@ from ckptplan.plan import (
     SolverInfo,
 )
 from ckptplan.remat import indices
-from ckptplan.simulation import Report, build_region_tree, simulate
+from ckptplan.simulation import Report, baseline_peak_bytes, build_region_tree, simulate
 from ckptplan.timeline import timeline_of
-
-
-def baseline_peak_bytes(graph: ComputeGraph) -> int:
-    """Peak of one step without checkpointing."""
-    return graph.baseline_peak_bytes
 
 
 def make_plan(

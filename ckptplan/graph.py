@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
+from ckptplan.errors import CkptPlanError
+
 if TYPE_CHECKING:
     import networkx
-
-    from ckptplan.sharding import ShardLayout
 
 StorageKind = Literal["activation", "hidden", "input", "param", "buffer"]
 STATIC_KINDS: frozenset[str] = frozenset({"input", "param", "buffer"})
@@ -146,6 +146,52 @@ class StaticMemory:
 class TensorSpec:
     shape: tuple[int, ...]
     dtype: str
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How the training state is split across the ranks of one data-parallel group.
+
+    ``degree``: ranks sharing it. ``stage``: ZeRO stage (1, 2 or 3; FSDP2 ``fully_shard`` is 3), or
+    0 for DDP (replicated state plus gradient buckets).
+    ``master_dtype``: the dtype sharded parameters, their gradients and the optimizer state are
+    kept in, when the model (as profiled) computes in a lower one (FSDP2 mixed precision); None:
+    the model's own. ``units``: module paths wrapped as units (default: the repeated blocks).
+    """
+
+    degree: int
+    stage: int = 3
+    master_dtype: str | None = None
+    units: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.degree < 1:
+            raise CkptPlanError(f"The shard degree must be at least 1, got {self.degree}.")
+        if self.stage not in (0, 1, 2, 3):
+            raise CkptPlanError(f"The ZeRO stage must be 0 (DDP), 1, 2 or 3, got {self.stage}.")
+        if self.master_dtype is not None and self.stage != 3:
+            raise CkptPlanError("A master dtype needs stage 3 (FSDP2 mixed precision); drop it or use stage 3.")
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """One FSDP unit: module ``path`` runs nodes ``[start, end)`` and owns ``param_bytes``."""
+
+    path: str
+    start: int
+    end: int
+    param_bytes: int
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What ``shard_graph`` needs: the spec, the units in execution order, the root unit's
+    parameter bytes, and ``master_scale`` (bytes of the master copy per byte of model parameter)."""
+
+    spec: ShardSpec
+    units: tuple[ShardUnit, ...]
+    root_param_bytes: int
+    master_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -291,13 +337,6 @@ class ComputeGraph:
             elif not storage.is_static:
                 blocked.update(k for w in writers if storage.producer < w for k in range(storage.producer + 1, w + 1))
         return frozenset(k for k in range(len(self.nodes) + 1) if k not in blocked)
-
-    @cached_property
-    def baseline_peak_bytes(self) -> int:
-        """Peak of one step without checkpointing, as ``simulate`` computes it."""
-        from ckptplan.simulation import simulate
-
-        return simulate(self, ()).peak_bytes
 
     @cached_property
     def total_fwd_flops(self) -> int:

@@ -1,7 +1,8 @@
 """Plans: which regions run under checkpoint, what each keeps, and what that is predicted to cost.
 
 A ``Plan`` is a pydantic model whose only serial form is JSON (schema ``ckptplan.plan/v1``);
-loading validates and never executes anything.
+loading validates and never executes anything. Its regions are ``ckptplan.region.Region``, the
+plain type the algorithms work with, checked here by the same rules (``region_problem``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ckptplan.errors import PlanFormatError
+from ckptplan.region import Region, region_problem
 from ckptplan.timeline import Timeline
 
 SCHEMA_VERSION = "ckptplan.plan/v1"
@@ -25,50 +27,6 @@ Decision = Literal["store", "recompute", "keep", "remat"]
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class Region(_Frozen):
-    """Nodes with execution index in ``[start, end)`` run inside one non-reentrant checkpoint.
-
-    In backward the region is recomputed from its inputs, except nodes named in ``keep``, whose
-    outputs are stored in forward (selective checkpointing). ``children`` are nested regions
-    inside it; regions at one level are disjoint and ordered.
-    """
-
-    start: int = Field(ge=0)
-    end: int = Field(ge=1)
-    keep: tuple[str, ...] = ()
-    children: tuple[Region, ...] = ()
-
-    def __init__(self, start: int | None = None, end: int | None = None, /, **data: Any) -> None:
-        if start is not None:
-            data["start"] = start
-        if end is not None:
-            data["end"] = end
-        super().__init__(**data)
-
-    @model_validator(mode="after")
-    def _check_shape(self) -> Region:
-        if self.end <= self.start:
-            raise ValueError(f"region [{self.start}, {self.end}) is empty")
-        if len(set(self.keep)) != len(self.keep):
-            raise ValueError(f"region [{self.start}, {self.end}) names a kept node twice")
-        previous_end = self.start
-        for child in self.children:
-            if child.start < previous_end or child.end > self.end:
-                raise ValueError(
-                    f"child region [{child.start}, {child.end}) is not inside [{self.start}, {self.end}) "
-                    "or overlaps its sibling"
-                )
-            previous_end = child.end
-        return self
-
-    def walk(self) -> list[Region]:
-        """This region and all its descendants, outermost first."""
-        found = [self]
-        for child in self.children:
-            found.extend(child.walk())
-        return found
 
 
 class InputInfo(_Frozen):
@@ -179,23 +137,15 @@ class Plan(_Frozen):
 
     @model_validator(mode="after")
     def _check_regions(self) -> Plan:
-        previous_end = 0
-        names = {n.name for n in self.nodes}
+        names = {n.name for n in self.nodes} if self.nodes else None
         if len(set(self.remat)) != len(self.remat):
             raise ValueError("remat names a node twice")
-        unknown = [name for name in self.remat if self.nodes and name not in names]
+        unknown = [name for name in self.remat if names is not None and name not in names]
         if unknown:
             raise ValueError(f"remat names unknown node {unknown[0]!r}")
-        for region in self.regions:
-            if region.start < previous_end:
-                raise ValueError(f"region [{region.start}, {region.end}) overlaps the region before it")
-            if self.nodes and region.end > len(self.nodes):
-                raise ValueError(f"region [{region.start}, {region.end}) runs past the last node")
-            previous_end = region.end
-            for inner in region.walk():
-                missing = [k for k in inner.keep if self.nodes and k not in names]
-                if missing:
-                    raise ValueError(f"region keeps unknown node {missing[0]!r}")
+        problem = region_problem(self.regions, node_count=len(self.nodes) if self.nodes else None, names=names)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     def to_json(self) -> str:
@@ -267,4 +217,6 @@ def plan_json_schema() -> dict[str, Any]:
     """The JSON Schema of plan files, as ``ckptplan schema`` prints it."""
     schema = Plan.model_json_schema()
     schema["$id"] = SCHEMA_VERSION
+    bounds = schema["$defs"]["Region"]["properties"]
+    bounds["start"]["minimum"], bounds["end"]["minimum"] = 0, 1  # ``ckptplan.region``'s rules
     return schema

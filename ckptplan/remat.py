@@ -46,7 +46,7 @@ from functools import cached_property
 
 from ckptplan.errors import PlanFormatError
 from ckptplan.graph import ComputeGraph, Node
-from ckptplan.plan import Region
+from ckptplan.region import Region
 
 # Ops that update module state when they run: recomputing them would update it twice.
 _STATEFUL_OPS = ("batch_norm", "instance_norm")

@@ -41,60 +41,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
-from ckptplan.errors import CkptPlanError
-from ckptplan.plan import Region
-
-if TYPE_CHECKING:
-    from ckptplan.graph import ComputeGraph
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How the training state is split across the ranks of one data-parallel group.
-
-    ``degree``: ranks sharing it. ``stage``: ZeRO stage (1, 2 or 3; FSDP2 ``fully_shard`` is 3), or
-    0 for DDP (replicated state plus gradient buckets).
-    ``master_dtype``: the dtype sharded parameters, their gradients and the optimizer state are
-    kept in, when the model (as profiled) computes in a lower one (FSDP2 mixed precision); None:
-    the model's own. ``units``: module paths wrapped as units (default: the repeated blocks).
-    """
-
-    degree: int
-    stage: int = 3
-    master_dtype: str | None = None
-    units: tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.degree < 1:
-            raise CkptPlanError(f"The shard degree must be at least 1, got {self.degree}.")
-        if self.stage not in (0, 1, 2, 3):
-            raise CkptPlanError(f"The ZeRO stage must be 0 (DDP), 1, 2 or 3, got {self.stage}.")
-        if self.master_dtype is not None and self.stage != 3:
-            raise CkptPlanError("A master dtype needs stage 3 (FSDP2 mixed precision); drop it or use stage 3.")
-
-
-@dataclass(frozen=True)
-class ShardUnit:
-    """One FSDP unit: module ``path`` runs nodes ``[start, end)`` and owns ``param_bytes``."""
-
-    path: str
-    start: int
-    end: int
-    param_bytes: int
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """What ``shard_graph`` needs: the spec, the units in execution order, the root unit's
-    parameter bytes, and ``master_scale`` (bytes of the master copy per byte of model parameter)."""
-
-    spec: ShardSpec
-    units: tuple[ShardUnit, ...]
-    root_param_bytes: int
-    master_scale: float = 1.0
+from ckptplan.graph import ComputeGraph, ShardLayout, ShardUnit
+from ckptplan.region import Region
 
 
 def shard_graph(graph: ComputeGraph, layout: ShardLayout) -> ComputeGraph:
@@ -144,7 +94,6 @@ def shard_graph(graph: ComputeGraph, layout: ShardLayout) -> ComputeGraph:
         graph, nodes=tuple(nodes), storages=storages, static=sharded_static, sharding=layout, unsharded_static=static
     )
 
-
 def fsdp_units(graph: ComputeGraph) -> tuple[ShardUnit, ...]:
     """The units whose modules FSDP2 runs one by one: those of a stage-3 layout, else none."""
     layout = graph.sharding
@@ -152,12 +101,10 @@ def fsdp_units(graph: ComputeGraph) -> tuple[ShardUnit, ...]:
         return ()
     return layout.units
 
-
 def unit_edges(graph: ComputeGraph) -> tuple[int, ...]:
     """Positions where one FSDP unit's nodes meet another's or the root's: a checkpoint region
     may not contain one (the emitted module calls each unit's module around its own ops)."""
     return tuple(sorted({k for u in fsdp_units(graph) for k in (u.start, u.end) if 0 < k < len(graph.nodes)}))
-
 
 def split_at_unit_edges(graph: ComputeGraph, regions: tuple[Region, ...]) -> tuple[Region, ...]:
     """``regions`` cut at every unit edge inside them (keep-sets and children follow their
@@ -166,7 +113,6 @@ def split_at_unit_edges(graph: ComputeGraph, regions: tuple[Region, ...]) -> tup
     if not edges:
         return regions
     return tuple(piece for region in regions for piece in _split(graph, region, edges))
-
 
 def _split(graph: ComputeGraph, region: Region, edges: tuple[int, ...]) -> list[Region]:
     cuts = [region.start, *(e for e in edges if region.start < e < region.end), region.end]

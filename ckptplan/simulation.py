@@ -45,11 +45,11 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 from ckptplan.errors import PlanFormatError
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import Plan, Region
+from ckptplan.region import Region, validate_regions
 from ckptplan.remat import Remat, indices
 
 # What a kept node may free inside (and its selective policy then cache) without the model
@@ -164,17 +164,15 @@ class _Memory:
 def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Region]) -> list[_RegionInfo]:
     """Validate ``regions`` against ``graph`` and number them (uid 1.. in pre-order).
 
-    Raises ``PlanFormatError`` for regions out of range, overlapping siblings, or keep-sets naming
-    nodes that are not directly in their region (a node inside a child belongs to the child).
+    Raises ``PlanFormatError`` for regions that break ``ckptplan.region``'s rules, start or end
+    where an in-place op forbids it (``graph.boundaries``), or keep nodes that are not directly in
+    them (a node inside a child belongs to the child) or may not be kept (``why_not_keep``).
     """
     n = len(graph.nodes)
+    validate_regions(regions, node_count=n, names=graph.index_of)
     counter = [0]
 
     def make(region: Region, parent: _RegionInfo | None) -> _RegionInfo:
-        if not 0 <= region.start < region.end:
-            raise PlanFormatError(f"Region [{region.start}, {region.end}) is empty or starts before node 0.")
-        if region.end > n:
-            raise PlanFormatError(f"Region [{region.start}, {region.end}) runs past the graph's {n} nodes.")
         for edge in (region.start, region.end):
             if edge not in graph.boundaries:
                 raise PlanFormatError(
@@ -183,19 +181,10 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
                 )
         counter[0] += 1
         info = _RegionInfo(uid=counter[0], region=region, parent=parent, children=[], keep=frozenset())
-        previous_end = region.start
-        for child in region.children:
-            if child.start < previous_end or child.end > region.end:
-                raise PlanFormatError(
-                    f"Region [{child.start}, {child.end}) is not inside its parent or overlaps a sibling."
-                )
-            previous_end = child.end
-            info.children.append(make(child, info))
+        info.children.extend(make(child, info) for child in region.children)
         keep: set[int] = set()
         for name in region.keep:
-            index = graph.index_of.get(name)
-            if index is None:
-                raise PlanFormatError(f"Region [{region.start}, {region.end}) keeps unknown node {name!r}.")
+            index = graph.index_of[name]
             if not region.start <= index < region.end or any(c.start <= index < c.end for c in region.children):
                 raise PlanFormatError(
                     f"Node {name!r} is kept by region [{region.start}, {region.end}) but is not directly in it."
@@ -214,14 +203,7 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
         info.random = any(graph.nodes[i].random for i in range(region.start, region.end))
         return info
 
-    tops: list[_RegionInfo] = []
-    previous_end = 0
-    for region in regions:
-        if region.start < previous_end:
-            raise PlanFormatError(f"Region [{region.start}, {region.end}) overlaps the region before it.")
-        previous_end = region.end
-        tops.append(make(region, None))
-    return tops
+    return [make(region, None) for region in regions]
 
 
 def made_at_early_stop(graph: ComputeGraph, i: int) -> frozenset[int]:
@@ -705,14 +687,24 @@ def checkpoint_cost_seconds(graph: ComputeGraph, regions: Sequence[Region]) -> f
     return seconds
 
 
-def simulate(
-    graph: ComputeGraph, plan: Plan | tuple[Region, ...] | list[Region] = (), *, remat: Sequence[str] = ()
-) -> Report:
+class PlanLike(Protocol):
+    """What ``simulate`` reads of a plan (``ckptplan.plan.Plan`` is one)."""
+
+    @property
+    def regions(self) -> tuple[Region, ...]: ...
+
+    @property
+    def remat(self) -> tuple[str, ...]: ...
+
+
+def simulate(graph: ComputeGraph, plan: PlanLike | Sequence[Region] = (), *, remat: Sequence[str] = ()) -> Report:
     """Peak bytes, recompute FLOPs and the memory timeline of one step under ``plan``: its regions
     and the nodes it rematerialises (``plan.remat``, or ``remat`` beside bare regions; see
     ``ckptplan.remat``)."""
-    regions = plan.regions if isinstance(plan, Plan) else tuple(plan)
-    names = plan.remat if isinstance(plan, Plan) else tuple(remat)
+    if isinstance(plan, Sequence):
+        regions, names = tuple(plan), tuple(remat)
+    else:
+        regions, names = plan.regions, plan.remat
     if not names:
         with _collector_paused():
             return _Simulator(graph, regions).run()
@@ -727,6 +719,17 @@ def simulate(
         checkpoint_seconds=report.checkpoint_seconds + graph.remat_cost * len(again),
         recomputed=report.recomputed + tuple(again),
     )
+
+
+def baseline_peak_bytes(graph: ComputeGraph) -> int:
+    """Peak of one step of ``graph`` without checkpointing (``simulate(graph).peak_bytes``), worked
+    out once per graph and kept in the graph object's own ``__dict__``, as ``cached_property``
+    keeps the graph's other derived values."""
+    peak = graph.__dict__.get("_baseline_peak_bytes")
+    if peak is None:
+        peak = simulate(graph).peak_bytes
+        graph.__dict__["_baseline_peak_bytes"] = peak
+    return peak
 
 
 @contextmanager

@@ -23,13 +23,13 @@ from ckptplan.cli.loader import AUTOCAST_DTYPES, LoadedModel, load_model
 from ckptplan.cli.render import render_plan, render_profile, render_sweep, render_verification, stderr_console
 from ckptplan.cli.summary import summarize
 from ckptplan.errors import BudgetError
-from ckptplan.graph import ComputeGraph
+from ckptplan.graph import ComputeGraph, ShardSpec
 from ckptplan.plan import load_plan, plan_json_schema
 from ckptplan.planner.io import check_plan_target, save_plan
 from ckptplan.planner.sweep import check_plotting, plot_pareto
 from ckptplan.planner.sweep import sweep as run_sweep
 from ckptplan.planner.timeline_plot import plot_timeline
-from ckptplan.sharding import ShardSpec
+from ckptplan.simulation import baseline_peak_bytes
 from ckptplan.solvers import available_solvers
 from ckptplan.solvers.registry import get_solver
 from ckptplan.units import check_budget
@@ -339,7 +339,7 @@ def sweep(
     if json_output:
         _write_stdout(json.dumps([p.to_dict() for p in points], indent=2) + "\n")
         return
-    render_sweep(stderr_console(), graph.baseline_peak_bytes, points)
+    render_sweep(stderr_console(), baseline_peak_bytes(graph), points)
     if plot is not None:
         stderr_console().print(f"Wrote the plot to {plot}", markup=False, soft_wrap=True)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptplan.graph import ComputeGraph, Node
+from ckptplan.simulation import baseline_peak_bytes
 
 
 @dataclass
@@ -65,7 +66,7 @@ def summarize(graph: ComputeGraph) -> ProfileSummary:
         target=graph.target,
         static=dataclasses.asdict(graph.static),
         activation_bytes=graph.activation_bytes,
-        baseline_peak_bytes=graph.baseline_peak_bytes,
+        baseline_peak_bytes=baseline_peak_bytes(graph),
         by_module=_group(graph, lambda node: node.module),
         by_op=by_op,
     )

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from ckptplan.errors import FingerprintMismatchError
+from ckptplan.graph import ShardSpec
 from ckptplan.plan import Plan
 from ckptplan.planner.emit import CheckpointedModule, emit
 from ckptplan.profiler import profile
 from ckptplan.profiler.trace import Target, TraceMode
-from ckptplan.sharding import ShardSpec
 from ckptplan.solvers import solve
 
 

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ckptplan.errors import CkptPlanError
-from ckptplan.graph import ComputeGraph, Node, TensorSpec
+from ckptplan.graph import ComputeGraph, Node, ShardSpec, TensorSpec
 from ckptplan.profiler.composite import spell_out_composites
 from ckptplan.profiler.cost import A100, FLOPS, Roofline
 from ckptplan.profiler.loss import loss_leaves, training_loss
@@ -29,7 +29,7 @@ from ckptplan.profiler.static import static_memory
 from ckptplan.profiler.timing import StepTimes, measure_op_seconds
 from ckptplan.profiler.trace import Autocast, Target, TraceMode, model_device, model_device_type, trace_model
 from ckptplan.profiler.workspace import measure_workspaces
-from ckptplan.sharding import ShardSpec, shard_graph
+from ckptplan.sharding import shard_graph
 
 log = logging.getLogger(__name__)
 

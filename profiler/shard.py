@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from ckptplan.errors import CkptPlanError
-from ckptplan.graph import ComputeGraph
+from ckptplan.graph import ComputeGraph, ShardLayout, ShardSpec, ShardUnit
 from ckptplan.repeats import find_blocks
-from ckptplan.sharding import ShardLayout, ShardSpec, ShardUnit
 
 
 def shard_layout(model: nn.Module, graph: ComputeGraph, spec: ShardSpec) -> ShardLayout:

@@ -48,7 +48,7 @@ from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage
 from ckptplan.plan import Plan, Region, SolverInfo
 from ckptplan.repeats import Block, find_blocks
-from ckptplan.simulation import Report, simulate
+from ckptplan.simulation import Report, baseline_peak_bytes, simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_model import keepable
 from ckptplan.solvers.refine import keep_priority
@@ -221,7 +221,7 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
     seconds = ctx.limit
     length = block.end - block.start
     ranked = ranked_keep_policies(graph, block)
-    alone = block_graph(graph, block).baseline_peak_bytes
+    alone = baseline_peak_bytes(block_graph(graph, block))
     found: list[tuple[Region, ...]] = [(), *ranked, *small_region_policies(graph, block, alone)]
     activation = sum(graph.saved_bytes(i) for i in range(block.start, block.end))
     nodes = length + 1  # the block graph's, with its ballast
@@ -241,7 +241,7 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
     for share in BALLAST_SHARES:
         ballast = int(share * activation)
         sub = block_graph(graph, block, max(ballast, alone) if share == BALLAST_SHARES[-1] else ballast)
-        top = sub.baseline_peak_bytes
+        top = baseline_peak_bytes(sub)
         # The ranked policies warm-start each solve, and with sqrt's least-peak plan they set the
         # lowest budget tried when time is short: simulating them is cheap, where the least-peak
         # search took a third of this function's time (GPT example, 0.75 s asked: 3.8 s).
@@ -367,7 +367,7 @@ def small_region_policies(graph: ComputeGraph, block: Block, ballast_bytes: int)
     recomputing attention alone, and 4.5x under ``auto`` with 15 s."""
     lo = block.start
     sub = block_graph(graph, block, ballast_bytes)
-    top = sub.baseline_peak_bytes
+    top = baseline_peak_bytes(sub)
     scored = []
     for start in range(lo, block.end):
         if start not in graph.boundaries:
@@ -542,9 +542,9 @@ def solve_blocks(
 def least_peak(graph: ComputeGraph, dec: Decomposition, windows: Windows) -> tuple[int, tuple[Region, ...]]:
     """The least simulated peak of a plan the choice reaches (bisection on its budget), and that
     plan (no regions when none beats the step without checkpointing)."""
-    lo, hi = graph.static.resident_bytes, graph.baseline_peak_bytes
+    lo, hi = graph.static.resident_bytes, baseline_peak_bytes(graph)
     best: tuple[int, tuple[Region, ...]] = (hi, ())
-    while hi - lo > max(1, (graph.baseline_peak_bytes - graph.static.resident_bytes) >> 12):
+    while hi - lo > max(1, (baseline_peak_bytes(graph) - graph.static.resident_bytes) >> 12):
         mid = (lo + hi) // 2
         picked = choose(dec, windows, mid)
         if picked is None:

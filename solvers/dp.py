@@ -48,7 +48,7 @@ from ckptplan.build import solver_plan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
-from ckptplan.simulation import Report, simulate
+from ckptplan.simulation import Report, baseline_peak_bytes, simulate
 from ckptplan.solvers.chain import SKIP_SHARE, Chain, build_chain, stage_starts
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.dp_curve import CostCurve, StageUnits, cost_curve
@@ -236,9 +236,9 @@ def chain_curve(graph: ComputeGraph, chain: Chain, mem_unit: int | None = None) 
     """``chain``'s cost at every budget up to the no-checkpoint peak, at ``mem_unit`` (default:
     that range above resident memory over ``DEFAULT_MEM_UNITS``, rounded up; never finer than
     ``MAX_MEM_UNITS`` units over it, since the tables hold one entry per unit)."""
-    span = max(1, graph.baseline_peak_bytes - chain.resident_bytes)
+    span = max(1, baseline_peak_bytes(graph) - chain.resident_bytes)
     unit = max(mem_unit or -(-span // DEFAULT_MEM_UNITS), -(-span // MAX_MEM_UNITS), 1)
-    return cost_curve(chain, graph.baseline_peak_bytes, unit)
+    return cost_curve(chain, baseline_peak_bytes(graph), unit)
 
 
 def solve_dp(
@@ -275,7 +275,7 @@ def solve_dp(
     with the graph (``solvers.memo``), so later solves of it are a lookup and a simulated plan.
     """
     started = time.perf_counter()
-    if budget_bytes >= graph.baseline_peak_bytes:  # storing everything is free and fits
+    if budget_bytes >= baseline_peak_bytes(graph):  # storing everything is free and fits
         return solver_plan(
             graph,
             (),
@@ -307,7 +307,7 @@ def solve_dp(
             if best is None or found.report.cost_seconds < best.report.cost_seconds:
                 best = found
     if best is None:
-        least_bytes = graph.baseline_peak_bytes if lowest is None else lowest.report.peak_bytes
+        least_bytes = baseline_peak_bytes(graph) if lowest is None else lowest.report.peak_bytes
         least_plan = None if lowest is None else solver_plan(
             graph, lowest.regions, least_bytes, SolverInfo(name="dp", status="feasible", seconds=0.0,
                                                            note="the stage chain's least-peak plan"),

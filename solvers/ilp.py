@@ -28,7 +28,7 @@ from ckptplan.build import solver_plan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region, SolverInfo
-from ckptplan.simulation import simulate
+from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers import blocks, registry
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import configure, extract_regions, fix_plan, hint_complete, solve_interruptibly
@@ -252,7 +252,7 @@ def _solve_ilp(
     a Ctrl-C that a CP-SAT search of the block-by-block phase took (``ctx.cancel``) raises
     ``KeyboardInterrupt`` again before the next phase."""
     limit = ctx.limit
-    if budget_bytes >= graph.baseline_peak_bytes:
+    if budget_bytes >= baseline_peak_bytes(graph):
         return solve_flat(graph, budget_bytes, ctx)
     large, provable = len(graph.nodes) > FLAT_MAX_NODES, proof_follows(graph, limit)
     if large and not provable:
@@ -436,7 +436,7 @@ def solve_flat(
     started = time.perf_counter()
     limit = ctx.limit if search_seconds is None else search_seconds
     end = min(started + limit, ctx.deadline)
-    if budget_bytes >= graph.baseline_peak_bytes:
+    if budget_bytes >= baseline_peak_bytes(graph):
         return solver_plan(
             graph, (), budget_bytes,
             SolverInfo(name="ilp", status="optimal", seconds=time.perf_counter() - started, gap=0.0,

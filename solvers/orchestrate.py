@@ -6,7 +6,7 @@ from __future__ import annotations
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import BudgetInfo, Plan
-from ckptplan.simulation import simulate
+from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.edges import at_unit_edges
 from ckptplan.solvers.least import least_plan
@@ -31,7 +31,7 @@ def solve(
     plan it made (a budget that gets a plan), or at once when the model's state alone exceeds the
     budget.
     """
-    budget_bytes = parse_budget(budget, graph.baseline_peak_bytes)
+    budget_bytes = parse_budget(budget, baseline_peak_bytes(graph))
     kernel = get_solver(solver)
     _refuse_below_state(graph, budget_bytes, solver)
     ctx = SolveContext.limited(time_limit, default=default_seconds(solver))

@@ -11,7 +11,7 @@ import torch
 
 import ckptplan
 from ckptplan.repeats import find_blocks
-from ckptplan.simulation import simulate
+from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers import blocks, ilp
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp import (
@@ -122,7 +122,7 @@ def test_frontier_names_the_middle_of_the_widest_unexplored_gap(gpt) -> None:
 @pytest.mark.parametrize("fraction", [0.7, 0.5])
 def test_block_by_block_plans_fit_and_beat_sqrt(gpt, fraction: float) -> None:
     _, _, graph = gpt
-    budget = parse_budget(fraction, graph.baseline_peak_bytes)
+    budget = parse_budget(fraction, baseline_peak_bytes(graph))
     plan = solve_hierarchical(graph, budget, SolveContext.limited(4), warm=())
     assert plan is not None and plan.solver.name == "ilp" and "block by block" in plan.solver.note
     assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
@@ -135,11 +135,11 @@ def test_menus_hold_attention_recomputed_alone_whatever_the_limit(gpt) -> None:
     ``small_region_policies`` the block-by-block plan at 70% cost 7.3x (0.3 s) and 5.9x (4 s) this."""
     _, _, graph = gpt
     found, _ = find_blocks(graph)
-    first = blocks.small_region_policies(graph, found[3], blocks.block_graph(graph, found[3]).baseline_peak_bytes)[0]
+    first = blocks.small_region_policies(graph, found[3], baseline_peak_bytes(blocks.block_graph(graph, found[3])))[0]
     assert [graph.nodes[found[3].start + r.start].op for r in first] == ["aten.scaled_dot_product_attention.default"]
     attention = tuple(ckptplan.Region(b.start + r.start, b.start + r.end) for b in found for r in first)
     alone = simulate(graph, attention)
-    budget = parse_budget(0.7, graph.baseline_peak_bytes)
+    budget = parse_budget(0.7, baseline_peak_bytes(graph))
     assert alone.peak_bytes <= budget
     for seconds in (0.3, 4):  # menus without flat block solves, with one and with 24 refined warm plans
         plan = solve_hierarchical(graph, budget, SolveContext.limited(seconds), warm=())
@@ -180,7 +180,7 @@ def test_block_policies_get_more_of_the_limit_when_warm_plans_are_given(gpt18, m
         return decompose(graph, ctx)
 
     monkeypatch.setattr(blocks, "decompose", recording)
-    budget = parse_budget(0.6, gpt18.baseline_peak_bytes)
+    budget = parse_budget(0.6, baseline_peak_bytes(gpt18))
     warm = [solve_sqrt(gpt18, budget)]
     monkeypatch.setattr(ilp, "LARGE_POLICY_MIN_SECONDS", 3.0)  # a long limit, for this test's purpose
     for given, limit in ((None, 3.0), (warm, 3.0), (warm, 2.5)):
@@ -194,7 +194,7 @@ def test_keep_more_keeps_outputs_where_they_fit_and_recompute_less(gpt18) -> Non
     """``keep_more``, the last step on graphs above ``FLAT_MAX_NODES``: from √N's whole-region
     plan it must find keeps that fit (each move is simulated), and with no moves it changes nothing."""
     graph = gpt18
-    budget = parse_budget(0.6, graph.baseline_peak_bytes)
+    budget = parse_budget(0.6, baseline_peak_bytes(graph))
     start = solve_sqrt(graph, budget)
     refined = keep_more(graph, start, budget, SolveContext.limited(3))
     report = simulate(graph, refined)
@@ -208,7 +208,7 @@ def test_keep_more_keeps_outputs_where_they_fit_and_recompute_less(gpt18) -> Non
 
 def test_block_by_block_plan_runs_with_equal_gradients_and_measured_peak(gpt) -> None:
     model, args, graph = gpt
-    budget = parse_budget(0.5, graph.baseline_peak_bytes)
+    budget = parse_budget(0.5, baseline_peak_bytes(graph))
     plan = solve_hierarchical(graph, budget, SolveContext.limited(4), warm=())
     assert len(plan.regions) >= 2
     emitted = ckptplan.emit(graph, plan)
@@ -227,7 +227,7 @@ def test_graphs_of_blocks_get_the_proof_phase_from_the_block_by_block_plan(gpt, 
     from ckptplan.solvers import ilp
 
     _, _, graph = gpt
-    budget = parse_budget(0.7, graph.baseline_peak_bytes)
+    budget = parse_budget(0.7, baseline_peak_bytes(graph))
     monkeypatch.setattr(ilp, "MIN_PROOF_SECONDS", 1.0)
     dp_cost = ckptplan.solve(graph, budget, solver="dp").prediction.cost_seconds
     for flat_max in (ilp.FLAT_MAX_NODES, len(graph.nodes) - 1):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import ckptplan
 from ckptplan import Region
 from ckptplan.errors import InfeasibleBudgetError
-from ckptplan.simulation import simulate
+from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers.chain import build_chain, stage_starts
 from ckptplan.solvers.dp import INF, solve_chain, solve_dp
 from ckptplan.solvers.dp_curve import cost_curve
@@ -87,7 +87,7 @@ def test_cost_curve_matches_the_reference_dp_at_every_budget(
     if unit_stages:
         last = tuple(min(len(chain), (k // unit_stages + 1) * unit_stages) - 1 for k in range(len(chain)))
         chain = replace(chain, region_last_stage=last)
-    top = graph.baseline_peak_bytes + 2 * mem_unit
+    top = baseline_peak_bytes(graph) + 2 * mem_unit
     curve = cost_curve(chain, top, mem_unit)
     for budget in range(graph.static.resident_bytes - mem_unit, top + 1, max(1, mem_unit // 2)):
         cost, regions = solve_chain(chain, budget, mem_unit)
@@ -106,9 +106,9 @@ def test_cost_curve_matches_the_reference_dp_on_a_graph_with_skips() -> None:
     model, args = load_example("unet").build(batch=1, size=32)
     graph = ckptplan.profile(model, args, workspaces=False)
     chain = build_chain(graph, stage_starts(graph, max_stages=12, skip_share=1.0))
-    span = graph.baseline_peak_bytes - graph.static.resident_bytes
+    span = baseline_peak_bytes(graph) - graph.static.resident_bytes
     unit = -(-span // 200)
-    curve = cost_curve(chain, graph.baseline_peak_bytes, unit)
+    curve = cost_curve(chain, baseline_peak_bytes(graph), unit)
     least = curve.least_units()
     assert least is not None
     for units in range(least - 1, 201, 7):
@@ -184,7 +184,7 @@ def test_skip_connections_merge_stages() -> None:
 def test_coarse_memory_units_stay_within_budget() -> None:
     model, args = load_example("gpt").build(batch=4, seq=64)
     graph = ckptplan.profile(model, args)
-    budget = int(0.6 * graph.baseline_peak_bytes)
+    budget = int(0.6 * baseline_peak_bytes(graph))
     fine_unit = 4096
     coarse = solve_dp(graph, budget, mem_unit=64 * fine_unit)
     fine = solve_dp(graph, budget, mem_unit=fine_unit)
@@ -250,7 +250,7 @@ def test_graphs_with_skips_dp_never_costs_more_than_sqrt_and_its_least_peak_is_r
     plan = ckptplan.solve(graph, least["dp"], solver="dp")
     assert plan.prediction.peak_bytes <= least["dp"]
     for fraction in (0.9, 0.7, 0.5):
-        budget = int(graph.static.resident_bytes + fraction * (graph.baseline_peak_bytes - graph.static.resident_bytes))
+        budget = int(graph.static.resident_bytes + fraction * (baseline_peak_bytes(graph) - graph.static.resident_bytes))
         try:
             sqrt_plan = ckptplan.solve(graph, budget, solver="sqrt")
         except InfeasibleBudgetError:
@@ -268,7 +268,7 @@ def test_later_solves_of_a_graph_reuse_its_budget_independent_work_and_give_a_fr
     unet, args = load_example("unet").build(batch=1)
     graph = ckptplan.profile(unet, args)
     fractions = (0.7, 0.6, 0.8)
-    budgets = [int(graph.baseline_peak_bytes * f) for f in fractions]
+    budgets = [int(baseline_peak_bytes(graph) * f) for f in fractions]
     kept = [solver(graph, b) for b in budgets for solver in (solve_dp, solve_sqrt)]
     entries = memo._MEMO[graph]
     assert set(entries) == {"dp", "sqrt"}

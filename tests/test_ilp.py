@@ -20,7 +20,7 @@ import ckptplan
 from ckptplan import remat
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
-from ckptplan.simulation import simulate
+from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import fix_plan, solve_interruptibly
 from ckptplan.solvers.dp import solve_dp
@@ -223,7 +223,7 @@ def test_a_stopped_least_peak_search_still_names_sqrt_s_least() -> None:
     _, sqrt_least = least_peak_regions(graph)
     peak = least_peak(graph, SolveContext.limited(1.0), deterministic_seconds=0.001, workers=1, seed=0,
                       window=None).peak_bytes
-    assert peak <= sqrt_least < graph.baseline_peak_bytes
+    assert peak <= sqrt_least < baseline_peak_bytes(graph)
 
 
 def test_variables_are_named_and_the_window_bounds_regions() -> None:
@@ -232,7 +232,7 @@ def test_variables_are_named_and_the_window_bounds_regions() -> None:
     names = {var.Name() for var in [*v.rec, *v.start, *v.keep.values()]}
     assert {"rec_0", "start_9", "keep_4"} <= names
     assert v.window == 3
-    plan = solve_ilp(graph, graph.baseline_peak_bytes - 1, window=3)
+    plan = solve_ilp(graph, baseline_peak_bytes(graph) - 1, window=3)
     assert all(region.end - region.start <= 3 for region in plan.regions)
 
 
@@ -288,7 +288,7 @@ def test_ilp_is_no_dearer_than_one_level_dp_and_sqrt_on_chains(seed: int) -> Non
     lowest = min(least.values())
     compared = {"dp": 0, "sqrt": 0}
     for k in range(6):
-        budget = lowest + (graph.baseline_peak_bytes - lowest) * k // 6
+        budget = lowest + (baseline_peak_bytes(graph) - lowest) * k // 6
         ilp = solve_ilp(graph, budget, warm=[])
         assert ilp.solver.status == "optimal" and ilp.prediction.peak_bytes <= budget
         if budget >= least["dp"]:
@@ -304,7 +304,7 @@ def test_ilp_is_no_dearer_than_one_level_dp_and_sqrt_on_chains(seed: int) -> Non
 
 def test_warm_start_is_never_beaten_by_a_stopped_search() -> None:
     graph = chain_graph([100, 300, 100, 300, 100, 300, 100, 300])
-    budget = int(0.8 * graph.baseline_peak_bytes)
+    budget = int(0.8 * baseline_peak_bytes(graph))
     sqrt_plan = solve_sqrt(graph, budget)
     plan = solve_ilp(graph, budget, SolveContext.limited(0.0), warm=[sqrt_plan])
     assert plan.solver.name == "ilp"
@@ -318,7 +318,7 @@ def test_a_limit_too_short_to_build_the_model_returns_the_refined_warm_plan() ->
     from ckptplan.solvers import ilp
 
     graph = chain_graph([100, 300] * 100)
-    budget = int(0.6 * graph.baseline_peak_bytes)
+    budget = int(0.6 * baseline_peak_bytes(graph))
     assert 2 * ilp.BUILD_SECONDS_PER_PAIR * 200 * 128 > 1.0  # the model would take longer than the limit
     plans = [solve_ilp(graph, budget, SolveContext.limited(1.0)) for _ in range(2)]
     assert "no CP-SAT search" in plans[0].solver.note
@@ -388,7 +388,7 @@ def test_ctrl_c_before_the_search_returns_the_cheapest_plan_made_so_far(monkeypa
     from ckptplan.solvers import ilp
 
     graph = skip_graph()
-    budget = (graph.baseline_peak_bytes * 9) // 10
+    budget = (baseline_peak_bytes(graph) * 9) // 10
     warm = ilp.warm_plans(graph, budget, SolveContext.limited(5.0))
     cheapest = min(warm, key=lambda p: p.prediction.cost_seconds)
     assert cheapest.regions != solve_sqrt(graph, budget).regions  # so that the two cases below differ
@@ -427,7 +427,7 @@ def test_a_search_outside_the_main_thread_runs_in_place() -> None:
 
 def test_ilp_plans_are_deterministic() -> None:
     graph = skip_graph()
-    budget = (graph.baseline_peak_bytes * 9) // 10
+    budget = (baseline_peak_bytes(graph) * 9) // 10
 
     def plan_json() -> str:
         plan = ckptplan.solve(skip_graph(), budget, solver="ilp")
@@ -512,7 +512,7 @@ def test_the_lazy_search_finds_and_proves_the_exhaustive_optimum(workers: int, u
     rng = random.Random(2)
     plans = [*one_level_plans(graph, max_keeps=0), *(random_plan(graph, rng) for _ in range(500))]
     reports = [(plan, simulate(graph, plan)) for plan in plans]
-    peaks = sorted({r.peak_bytes for _, r in reports if r.peak_bytes < graph.baseline_peak_bytes})
+    peaks = sorted({r.peak_bytes for _, r in reports if r.peak_bytes < baseline_peak_bytes(graph)})
     rows = []
     for number, budget in enumerate(peaks[:: max(1, len(peaks) // 6)]):
         fitting = [(plan, r) for plan, r in reports if r.peak_bytes <= budget]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptplan import Region
-from ckptplan.simulation import simulate
+from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp import solve_ilp
 from ckptplan.solvers.refine import Moves, add_keeps, shed_keeps, simplify
@@ -89,7 +89,7 @@ def test_moves_stop_the_passes_when_spent() -> None:
 def test_the_ilp_search_starts_from_the_refined_warm_plan() -> None:
     """Stopped at once, the ilp returns a plan no dearer than ``add_keeps`` makes of its warm plan."""
     graph = chain_graph([100, 300, 100, 300, 100, 300, 100, 300], fwd_flops=[4000, 10, 4000, 10, 4000, 10, 4000, 10])
-    budget = int(0.8 * graph.baseline_peak_bytes)
+    budget = int(0.8 * baseline_peak_bytes(graph))
     sqrt_plan = solve_sqrt(graph, budget)
     refined = simulate(graph, add_keeps(graph, sqrt_plan.regions, budget))
     assert refined.cost_seconds < sqrt_plan.prediction.cost_seconds  # the move matters here

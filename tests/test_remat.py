@@ -17,7 +17,7 @@ from ckptplan import Region, remat
 from ckptplan.build import make_plan
 from ckptplan.errors import PlanFormatError
 from ckptplan.profiler.loss import training_loss
-from ckptplan.simulation import simulate
+from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.remat_ilp import search_with_remat
 from ckptplan.solvers.remat_plans import shed_remat
@@ -147,7 +147,7 @@ def test_solve_with_remat_takes_the_shortest_prefix_that_fits(gpt) -> None:
     _, _, graph = gpt
     order = _names(graph, remat.by_price(graph))
     lowest = simulate(graph, (), remat=order).peak_bytes
-    budget = (lowest + graph.baseline_peak_bytes) // 2
+    budget = (lowest + baseline_peak_bytes(graph)) // 2
     plain = ckptplan.solve(graph, budget, solver="dp")
     plan = ckptplan.solve(graph, budget, solver="dp", remat=True)
     assert plan.prediction.cost_seconds <= plain.prediction.cost_seconds
@@ -193,7 +193,7 @@ def test_joint_search_improves_on_its_start_reproducibly(gpt) -> None:
     cheaper plan that fits (the simulator's word), with regions, rematerialisation or both, and
     the same one on a second run when a step count, not the wall clock, ends it."""
     _, _, graph = gpt
-    budget = int(0.8 * graph.baseline_peak_bytes)
+    budget = int(0.8 * baseline_peak_bytes(graph))
     start = ckptplan.solve(graph, budget, solver="sqrt")
     found = [search_with_remat(graph, budget, start, SolveContext.limited(120), max_steps=2) for _ in range(2)]
     assert found[0] is not None

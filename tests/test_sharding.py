@@ -16,7 +16,7 @@ from torch import nn
 
 import ckptplan
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
-from ckptplan.simulation import simulate
+from ckptplan.simulation import baseline_peak_bytes, simulate
 from tests.conftest import assert_same_gradients
 
 WIDTH, LAYERS, BATCH = 256, 4, 512
@@ -48,7 +48,7 @@ def test_ddp_adds_its_gradient_buckets_and_shards_nothing() -> None:
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     assert ddp.static.bucket_bytes == trainable and whole.static.bucket_bytes == 0
     assert ddp.static.resident_bytes == whole.static.resident_bytes + trainable
-    assert ddp.baseline_peak_bytes == whole.baseline_peak_bytes + trainable
+    assert baseline_peak_bytes(ddp) == baseline_peak_bytes(whole) + trainable
     plan = ckptplan.solve(ddp, 0.95, solver="dp")
     assert ckptplan.Plan.from_json(plan.to_json()).model.sharding.stage == 0
     assert plan.model.fingerprint == ckptplan.make_plan(whole, []).model.fingerprint

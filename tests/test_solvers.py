@@ -11,7 +11,7 @@ from ckptplan.build import make_plan
 from ckptplan.errors import BudgetError, CkptPlanError, InfeasibleBudgetError, UnknownSolverError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import BudgetInfo, Plan, Region, SolverInfo
-from ckptplan.simulation import simulate
+from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers import available_solvers, registry, solve
 from ckptplan.solvers.registry import get_solver, register
 from ckptplan.solvers.sqrt import crossing_bytes, segment
@@ -47,7 +47,7 @@ def least_peak(graph_name: str, solver: str) -> int:
 
 
 def budgets_between(graph_name: str, solver: str) -> list[int]:
-    least, baseline = least_peak(graph_name, solver), graph_named(graph_name).baseline_peak_bytes
+    least, baseline = least_peak(graph_name, solver), baseline_peak_bytes(graph_named(graph_name))
     return sorted({least + (baseline - least) * k // 4 for k in range(5)})
 
 
@@ -145,7 +145,7 @@ def test_plans_fit_their_budget_under_the_simulator(solver: str, graph_name: str
         assert plan.prediction.peak_bytes == report.peak_bytes <= plan.budget.bytes == budget
         assert plan.prediction.recompute_flops == report.recompute_flops
         assert plan.prediction.recompute_seconds == report.recompute_seconds
-        assert plan.prediction.baseline_peak_bytes == graph.baseline_peak_bytes
+        assert plan.prediction.baseline_peak_bytes == baseline_peak_bytes(graph)
         assert plan.model.fingerprint == graph.fingerprint and plan.model.node_count == len(graph)
         assert plan.solver.status in ("optimal", "feasible") and plan.solver.seconds >= 0.0
         # "remat": rematerialisation alone (no regions), which auto considers (ckptplan.remat).
@@ -195,7 +195,7 @@ def test_solving_is_deterministic(solver: str) -> None:
 def test_budget_below_the_least_peak_names_it(solver: str, graph_name: str) -> None:
     graph = graph_named(graph_name)
     least = least_peak(graph_name, solver)
-    assert least <= graph.baseline_peak_bytes
+    assert least <= baseline_peak_bytes(graph)
     budget = least - 1
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(graph, budget, solver=solver)
@@ -212,7 +212,7 @@ def test_budget_below_the_least_peak_names_it(solver: str, graph_name: str) -> N
 @pytest.mark.parametrize("solver", ["sqrt", "dp"])
 def test_budget_forms_resolve_to_the_same_bytes(solver: str) -> None:
     graph = graph_named("uniform16")
-    expected = int(0.6 * graph.baseline_peak_bytes)
+    expected = int(0.6 * baseline_peak_bytes(graph))
     assert expected >= least_peak("uniform16", solver)  # 60% is reachable on this graph
     plans = {form: solve(graph, form, solver=solver) for form in ("60%", 0.6, "0.6", expected)}
     assert {p.budget.bytes for p in plans.values()} == {expected}
@@ -225,11 +225,11 @@ def test_budget_forms_resolve_to_the_same_bytes(solver: str) -> None:
 @pytest.mark.parametrize("solver", SOLVERS)
 def test_a_budget_above_the_baseline_needs_no_checkpointing(solver: str, graph_name: str) -> None:
     graph = graph_named(graph_name)
-    for budget in (graph.baseline_peak_bytes, graph.baseline_peak_bytes + 1000, "100%", 1.0, "8GB"):
+    for budget in (baseline_peak_bytes(graph), baseline_peak_bytes(graph) + 1000, "100%", 1.0, "8GB"):
         plan = solve(graph, budget, solver=solver)
         assert plan.regions == ()
         assert plan.prediction.recompute_flops == 0 and plan.prediction.recompute_seconds == 0.0
-        assert plan.prediction.peak_bytes == graph.baseline_peak_bytes
+        assert plan.prediction.peak_bytes == baseline_peak_bytes(graph)
         assert {n.decision for n in plan.nodes} == {"store"}
 
 
@@ -245,7 +245,7 @@ def test_solvers_reduce_memory_on_a_long_chain() -> None:
     graph = graph_named("uniform16")
     plan = solve(graph, "60%")
     assert plan.regions and plan.prediction.recompute_flops > 0
-    assert plan.prediction.peak_bytes <= 0.6 * graph.baseline_peak_bytes
+    assert plan.prediction.peak_bytes <= 0.6 * baseline_peak_bytes(graph)
 
 
 def test_empty_graph() -> None:
