@@ -33,11 +33,15 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
     errors: list[InfeasibleBudgetError] = []
     skipped: list[str] = []
 
-    def attempt(run: Callable[[], Plan]) -> None:
+    def attempt(name: str, run: Callable[[], Plan]) -> None:
+        ctx.report(name)
         try:
-            plans.append(at_unit_edges(graph, run(), budget_bytes))
+            plan = at_unit_edges(graph, run(), budget_bytes)
         except InfeasibleBudgetError as exc:
             errors.append(exc)
+        else:
+            plans.append(plan)
+            ctx.report(cost_seconds=plan.prediction.cost_seconds, peak_bytes=plan.prediction.peak_bytes)
 
     by_blocks = len(graph.nodes) > ilp.FLAT_MAX_NODES and bool(find_blocks(graph)[0])
     for name in available_solvers():
@@ -46,10 +50,10 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
         if name == "dp" and by_blocks:
             skipped.append(f"dp skipped: {len(graph.nodes)} nodes of repeated blocks, which ilp solves block by block")
             continue
-        attempt(lambda name=name: get_solver(name)(graph, budget_bytes, ctx))
+        attempt(name, lambda name=name: get_solver(name)(graph, budget_bytes, ctx))
     if len(graph.nodes) <= ilp.FLAT_MAX_NODES or by_blocks:
         warm = [p for p in plans if p.solver.name in ilp.WARM_SOLVERS]
-        attempt(lambda: ilp.solve_ilp(graph, budget_bytes, ctx, warm=warm))
+        attempt("ilp", lambda: ilp.solve_ilp(graph, budget_bytes, ctx, warm=warm))
     else:
         skipped.append(f"ilp skipped: {len(graph.nodes)} nodes > {ilp.FLAT_MAX_NODES} and no repeated blocks")
     if not plans:

@@ -252,7 +252,7 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
         least = min([least_peak_regions(sub)[1], *(p.prediction.peak_bytes for p in starts)])
         if thorough:
             try:
-                solve_flat(sub, sub.static.resident_bytes, ctx.within(per_solve), warm=(), announce=False, lazy=False)
+                solve_flat(sub, sub.static.resident_bytes, ctx.within(per_solve).unscored(), warm=(), announce=False, lazy=False)
                 least = sub.static.resident_bytes
             except InfeasibleBudgetError as error:
                 least = min(least, error.min_peak_bytes)
@@ -288,13 +288,13 @@ def _block_plan(
     from the ``sqrt`` and ``dp`` plans (``slot``: dp's limit)."""
     from ckptplan.solvers.ilp import solve_flat, starting_plan, warm_plans  # ilp imports this module
 
-    warm = [*warm, *warm_plans(sub, budget, ctx.within(slot))]
+    warm = [*warm, *warm_plans(sub, budget, ctx.within(slot).unscored())]
     if seconds is None:
         regions = starting_plan(sub, warm, budget)
         return None if regions is None else solver_plan(
             sub, regions, budget, SolverInfo(name="refine", status="feasible", seconds=0.0))
     try:
-        return solve_flat(sub, budget, ctx.within(seconds), warm=warm, announce=False, lazy=False)
+        return solve_flat(sub, budget, ctx.within(seconds).unscored(), warm=warm, announce=False, lazy=False)
     except InfeasibleBudgetError:
         return None
 

@@ -330,7 +330,8 @@ def solve_hierarchical(
     ``ctx.limit`` goes to finding block policies; ``warm`` plans (default: ``sqrt``'s, made
     after them) are returned instead when cheaper, or when the decomposition finds no plan."""
     started = time.perf_counter()
-    found = blocks.decompose(graph, ctx.within(ctx.limit * policy_share))
+    ctx.report("ilp: block by block")
+    found = blocks.decompose(graph, ctx.within(ctx.limit * policy_share).unscored())
     if found is None:
         return None
     dec, windows = found
@@ -461,12 +462,14 @@ def solve_flat(
         how = (f"no CP-SAT search: too little time to build its model (about {build_seconds:.1f} s, twice), "
                "so the refined warm plan")
     elif proof_only and start is not None:
+        ctx.report("ilp: proof phase")
         found, regions = _proof_phase(graph, budget_bytes, start, ctx, seconds=max(0.1, last - time.perf_counter()),
                                       seed=seed, window=window, bound=0.0, announce=announce)
         status, bound = found.status, found.bound
         blocks_note = next((f" ({p.solver.note})" for p in warm if _origin(p) == HIERARCHICAL), "")
         how = f"proof phase on the whole graph from the cheapest warm plan{blocks_note}: {found.describe()}"
     else:
+        ctx.report("ilp: search")
         found, regions = _search(graph, budget_bytes, start, ctx, search_end=end - reserve, clock=clock,
                                  workers=workers, seed=seed, window=window, announce=announce, lazy=lazy,
                                  model_seconds=build_seconds)
@@ -474,6 +477,7 @@ def solve_flat(
         how = f"search: {found.describe()}"
         left = last - time.perf_counter()
         if status == "FEASIBLE" and not ctx.cancelled and left >= MIN_PROOF_SECONDS:
+            ctx.report("ilp: proof phase")
             proof, regions = _proof_phase(graph, budget_bytes, regions, ctx, seconds=left, seed=seed, window=window,
                                           bound=bound, announce=announce)
             if proof.status == "OPTIMAL":

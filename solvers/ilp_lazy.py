@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -154,16 +155,20 @@ def _seed_rows(v: IlpVars, start: Report, count: int) -> int:
 class _Watcher(cp_model.CpSolverSolutionCallback):
     """Simulates each plan the search reports: keeps the cheapest that fits the budget, and
     stops the search at the first that does not and breaks rows the model still lacks
-    (``violated``: those events, or the ``rows_per_round`` where it holds the most bytes)."""
+    (``violated``: those events, or the ``rows_per_round`` where it holds the most bytes).
+    ``on_better`` hears each cheaper plan's cost and peak as it is found."""
 
     def __init__(
-        self, graph: ComputeGraph, v: IlpVars, budget_bytes: int, best_cost: float, rows_per_round: int | None
+        self, graph: ComputeGraph, v: IlpVars, budget_bytes: int, best_cost: float, rows_per_round: int | None,
+        on_better: Callable[[float, int], object] | None = None,
     ) -> None:
         super().__init__()
         self.graph, self.v, self.budget_bytes = graph, v, budget_bytes
         self.rows_per_round = rows_per_round
         self.best: tuple[Region, ...] | None = None
         self.best_cost = best_cost
+        self.best_peak: int | None = None
+        self.on_better = on_better
         self.violated: set[tuple[str, int]] = set()
 
     def on_solution_callback(self) -> None:
@@ -175,7 +180,9 @@ class _Watcher(cp_model.CpSolverSolutionCallback):
             self.violated.update(missing[:self.rows_per_round])
             self.StopSearch()
         elif not over and report.cost_seconds < self.best_cost:
-            self.best, self.best_cost = regions, report.cost_seconds
+            self.best, self.best_cost, self.best_peak = regions, report.cost_seconds, report.peak_bytes
+            if self.on_better is not None:
+                self.on_better(report.cost_seconds, report.peak_bytes)
 
 
 def proof_search(
@@ -298,6 +305,7 @@ def search_lazily(
             model.Add(v.cost <= math.floor(best_cost * COST_SCALE) + slack)
     clock = deterministic_seconds if workers == 1 else None
     status, rounds = "UNKNOWN", 0
+    scored = announce and within is None  # the whole graph's search: its plans and bound are the solve's
     while not ctx.cancelled:
         left = deadline - time.perf_counter()
         if clock is not None and clock < MIN_CLOCK_SECONDS:
@@ -313,7 +321,8 @@ def search_lazily(
         solver = cp_model.CpSolver()
         configure(solver, wall_seconds=left, deterministic_seconds=left if clock is None else clock,
                   workers=workers, seed=seed)
-        watcher = _Watcher(graph, v, budget_bytes, best_cost, rows_per_round)
+        watcher = _Watcher(graph, v, budget_bytes, best_cost, rows_per_round, on_better=(
+            (lambda cost, peak: ctx.report(cost_seconds=cost, peak_bytes=peak)) if scored else None))
         try:
             log.log(logging.INFO if announce else logging.DEBUG,
                     "ilp: %d worker(s), round %d, %d of %d backward and recompute rows in the model, up to %.0f s; "
@@ -331,6 +340,8 @@ def search_lazily(
             hinted = best
         if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             bound = max(bound, solver.BestObjectiveBound())
+        if scored:
+            ctx.report(bound_cost_seconds=bound / COST_SCALE)
         if code == cp_model.INFEASIBLE:
             if within is not None:  # no plan in the range, so none cheaper than ``best``
                 bound = math.inf

@@ -3,11 +3,13 @@ the plan's budget record; the solvers under it are kernels run under its ``Solve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import BudgetInfo, Plan
 from ckptplan.simulation import baseline_peak_bytes, simulate
-from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.context import Progress, SolveContext
 from ckptplan.solvers.edges import at_unit_edges
 from ckptplan.solvers.least import least_plan
 from ckptplan.solvers.registry import default_seconds, get_solver
@@ -21,20 +23,23 @@ def solve(
     solver: str = "auto",
     time_limit: float | None = None,
     remat: bool | None = None,
+    progress: Callable[[Progress], None] | None = None,
 ) -> Plan:
     """The plan ``solver`` finds for ``graph`` within ``budget`` (see ``ckptplan.units.parse_budget``)
     in ``time_limit`` seconds (None: the solver's default, ``registry.default_seconds``).
 
     ``remat``: also consider rematerialising cheap ops outside regions (``ckptplan.remat``,
     ``remat_plans.with_remat``) and return the cheapest plan; None (the default) does for
-    ``auto`` only. Raises ``InfeasibleBudgetError`` when nothing fits, naming the least peak of a
+    ``auto`` only. ``progress`` hears where the search stands as it goes (``context.Progress``:
+    the phase, the cheapest plan and the best bound so far). Raises ``InfeasibleBudgetError``
+    when nothing fits, naming the least peak of a
     plan it made (a budget that gets a plan), or at once when the model's state alone exceeds the
     budget.
     """
     budget_bytes = parse_budget(budget, baseline_peak_bytes(graph))
     kernel = get_solver(solver)
     _refuse_below_state(graph, budget_bytes, solver)
-    ctx = SolveContext.limited(time_limit, default=default_seconds(solver))
+    ctx = SolveContext.limited(time_limit, default=default_seconds(solver), on_progress=progress)
     remat = solver == "auto" if remat is None else remat
 
     def run(g: ComputeGraph, phase: SolveContext) -> Plan:

@@ -82,8 +82,10 @@ def with_remat(
         log.info("remat: solving again with %d cheap ops rematerialised (dropped after forward, recomputed in backward)",
                  len(order))
         rematerialised = _remat.Remat(graph, order, ())
+        ctx.report(f"{solver or 'solve'} with {len(order)} ops rematerialised")
+        share = limit * (1 - plain_share - (JOINT_SHARE if joint else 0.0))
         try:
-            shrunk = run(rematerialised.graph, ctx.within(limit * (1 - plain_share - (JOINT_SHARE if joint else 0.0))))
+            shrunk = run(rematerialised.graph, ctx.within(share).unscored())
         except CkptPlanError as exc:  # infeasible, or out of time: the plain plan stands
             if isinstance(exc, InfeasibleBudgetError):
                 errors.append(_on_graph(graph, exc, order))
@@ -94,14 +96,17 @@ def with_remat(
                                remat=[graph.nodes[x].name for x in kept])
             if plan.prediction.peak_bytes <= budget_bytes:
                 plans.append(plan)
+                ctx.report(cost_seconds=plan.prediction.cost_seconds, peak_bytes=plan.prediction.peak_bytes)
     if not plans:
         plans.append(least_of(errors, budget_bytes, "No plan fits"))
     best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
     if joint and best.prediction.cost_seconds > 0 and not ctx.cancelled:
+        ctx.report("joint search of regions and rematerialisation")
         found = remat_ilp.search_with_remat(graph, budget_bytes, best, ctx.sized(limit * JOINT_SHARE))
         if found is not None:
             chose = "auto chose ilp: " if solver == "auto" else ""
             best = found.model_copy(update={"solver": found.solver.model_copy(update={"note": chose + found.solver.note})})
+            ctx.report(cost_seconds=best.prediction.cost_seconds, peak_bytes=best.prediction.peak_bytes)
     return best.model_copy(update={"solver": best.solver.model_copy(update={"seconds": time.perf_counter() - started})})
 
 
