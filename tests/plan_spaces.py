@@ -48,3 +48,35 @@ def random_plan(graph: ComputeGraph, rng: random.Random) -> tuple[Region, ...]:
         else:
             t += 1
     return tuple(regions)
+
+
+
+def nested_region_sets(graph: ComputeGraph) -> list[tuple[Region, ...]]:
+    """Every forest of regions without keep-sets, edges at ``graph.boundaries``, each region's
+    children a forest strictly inside it (none spanning it whole): ``dp``'s plan space."""
+    points = sorted(graph.boundaries)
+    memo: dict[tuple[int, int], list[tuple[Region, ...]]] = {}
+
+    def inside(lo: int, hi: int) -> list[tuple[Region, ...]]:
+        """The forests over points ``lo..hi`` (indices into ``points``) with no region spanning
+        the whole of ``[points[lo], points[hi])``."""
+        if (lo, hi) not in memo:
+            found: list[tuple[Region, ...]] = []
+
+            def extend(i: int, acc: tuple[Region, ...]) -> None:
+                if i >= hi:
+                    found.append(acc)
+                    return
+                extend(i + 1, acc)  # no region starts at points[i]
+                for j in range(i + 1, hi + 1):
+                    if (i, j) != (lo, hi):
+                        for children in inside(i, j):
+                            extend(j, (*acc, Region(points[i], points[j], children=children)))
+
+            extend(lo, ())
+            memo[lo, hi] = found
+        return memo[lo, hi]
+
+    last = len(points) - 1
+    whole = [(Region(points[0], points[last], children=c),) for c in inside(0, last)] if last > 0 else []
+    return [*inside(0, last), *whole]

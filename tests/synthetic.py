@@ -192,3 +192,108 @@ def check_consistent(graph: ComputeGraph) -> None:
 def without_modules(graph: ComputeGraph) -> ComputeGraph:
     """``graph`` with every node's module path cleared: no module structure, no repeated blocks."""
     return dataclasses.replace(graph, nodes=tuple(dataclasses.replace(n, module="") for n in graph.nodes))
+
+
+# (name, op, inputs, output bytes (0: its output lives in its first input's storage, as for a
+#  view or an in-place op), saved as in ``_SKIP_LAYOUT``, fwd_flops, has a trainable weight)
+Layout = tuple[tuple[str, str, tuple[int, ...], int, tuple[str, ...], int, bool], ...]
+
+# Four residual blocks: x -> linear -> relu_ (in place, on the linear's output) -> add(x, .).
+# The block input is read again by the add (a skip over two nodes); each in-place ReLU forbids
+# a region edge between it and its linear and makes that linear unkeepable.
+RESIDUAL_LAYOUT: Layout = tuple(
+    row
+    for b in range(4)
+    for row in (
+        (f"fc{b}", "aten.linear.default", (3 * b - 1,) if b else (), 64 * (b + 1), ("in",), 128 * (b + 1), True),
+        (f"relu{b}", "aten.relu_.default", (3 * b,), 0, ("out",), 16 * (b + 1), False),
+        (f"add{b}", "aten.add.Tensor", (3 * b + 1, 3 * b - 1) if b else (3 * b + 1,), 64 * (b + 1), (), 8, False),
+    )
+)
+
+# A 12-node U-Net with two skip levels: ``relu1`` is read again by ``cat1`` (a skip over eight
+# nodes), the in-place ``relu2`` by ``cat2`` (over four); ``flat`` is a view, ``drop`` draws
+# random numbers and saves a hidden mask.
+UNET_LAYOUT: Layout = (
+    ("enc1", "aten.linear.default", (), 256, ("in",), 512, True),  # 0 reads the graph input
+    ("relu1", "aten.relu.default", (0,), 256, ("out",), 256, False),  # 1: the outer skip source
+    ("enc2", "aten.linear.default", (1,), 128, ("in",), 256, True),  # 2
+    ("relu2", "aten.relu_.default", (2,), 0, ("out",), 128, False),  # 3: in place; the inner skip source
+    ("drop", "aten.dropout.default", (3,), 128, ("mask",), 128, False),  # 4
+    ("mid", "aten.linear.default", (4,), 128, ("in",), 256, True),  # 5
+    ("flat", "aten.view.default", (5,), 0, (), 0, False),  # 6: a view of mid's output
+    ("up2", "aten.linear.default", (6,), 128, ("in",), 256, True),  # 7
+    ("cat2", "aten.cat.default", (7, 3), 256, (), 0, False),  # 8: reads the inner skip
+    ("up1", "aten.linear.default", (8,), 256, ("in",), 512, True),  # 9
+    ("cat1", "aten.cat.default", (9, 1), 512, (), 0, False),  # 10: reads the outer skip
+    ("loss", "aten.mse_loss.default", (10,), 4, ("in",), 64, False),  # 11
+)
+
+
+def layout_graph(
+    layout: Layout, *, name: str = "dag", param_bytes: int = 48, input_bytes: int = 128, mask_bytes: int = 32
+) -> ComputeGraph:
+    """A graph laid out as ``_SKIP_LAYOUT`` is, where an op named ``aten.<x>_.default`` writes in
+    place into its first input's storage, ``aten.view.default`` is a view of it, and
+    ``aten.dropout.default`` draws random numbers and saves a hidden mask of ``mask_bytes``. The
+    last node is the loss."""
+    storages: list[Storage] = [Storage(index=0, nbytes=input_bytes, kind="input")]
+    nodes: list[Node] = []
+    out_of: dict[int, int] = {}
+    for i, (node_name, op, inputs, nbytes, saves, flops, has_weight) in enumerate(layout):
+        param: tuple[int, ...] = ()
+        if has_weight:
+            param = (len(storages),)
+            storages.append(Storage(index=len(storages), nbytes=param_bytes, kind="param", trainable=True))
+        inplace = op.endswith("_.default")
+        view = op == "aten.view.default"
+        if inplace or view:
+            out_of[i] = out_of[inputs[0]]
+        else:
+            out_of[i] = len(storages)
+            storages.append(Storage(index=len(storages), nbytes=nbytes, kind="activation", producer=i))
+        saved: list[int] = []
+        if "in" in saves:
+            saved.extend([out_of[j] for j in inputs] or [0])  # storage 0: the graph input
+        if "out" in saves:
+            saved.append(out_of[i])
+        if "mask" in saves:
+            saved.append(len(storages))
+            storages.append(Storage(index=len(storages), nbytes=mask_bytes, kind="hidden", producer=i))
+        nodes.append(
+            Node(
+                index=i,
+                name=node_name,
+                op=op,
+                module=node_name if has_weight else "",
+                inputs=inputs,
+                outputs=(out_of[i],),
+                saved=tuple(saved),
+                grad_inputs=inputs,
+                param_grads=param,
+                requires_grad=True,
+                inplace=inplace,
+                writes=(out_of[i],) if inplace else (),
+                random=op == "aten.dropout.default",
+                grad_aliases_output=view,
+                grad_aliased_inputs=inputs if view else (),
+                output_bytes=storages[out_of[i]].nbytes,
+                fwd_flops=flops,
+                bwd_flops=2 * flops,
+                fwd_cost=_cost(flops),
+                bwd_cost=_cost(2 * flops),
+            )
+        )
+    total_param_bytes = sum(s.nbytes for s in storages if s.kind == "param")
+    last = len(nodes) - 1
+    return ComputeGraph(
+        name=name,
+        nodes=tuple(nodes),
+        storages=tuple(storages),
+        static=StaticMemory(
+            param_bytes=total_param_bytes, buffer_bytes=0, input_bytes=input_bytes, grad_bytes=total_param_bytes
+        ),
+        outputs=(last,),
+        loss_nodes=(last,),
+        inputs=(TensorSpec(shape=(input_bytes // 4,), dtype="float32"),),
+    )

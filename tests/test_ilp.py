@@ -277,7 +277,10 @@ def test_ilp_is_optimal_on_the_skip_graph() -> None:
 def test_ilp_is_no_dearer_than_one_level_dp_and_sqrt_on_chains(seed: int) -> None:
     """At budgets spread from the least peak any of the three reaches to the unplanned peak, ilp
     proves its plan optimal, and it costs no more than dp's plan wherever that is one level (then
-    in ilp's space) nor than sqrt's wherever sqrt has one; each comparison is made at least once."""
+    in ilp's space) nor than sqrt's wherever sqrt has one; dp (optimal over nested plans without
+    keep-sets, at one byte per memory unit) costs no more than ilp's plan wherever that keeps
+    nothing (then in dp's space), so where both hold the two are equal. Each comparison is made
+    at least once."""
     rng = random.Random(500 + seed)
     graph = chain_graph([rng.choice([32, 64, 100, 128, 256]) for _ in range(rng.randint(6, 12))])
     least = {}
@@ -286,20 +289,24 @@ def test_ilp_is_no_dearer_than_one_level_dp_and_sqrt_on_chains(seed: int) -> Non
             solver(graph, graph.static.floor_bytes - 1)
         least[name] = info.value.min_peak_bytes
     lowest = min(least.values())
-    compared = {"dp": 0, "sqrt": 0}
+    compared = {"dp": 0, "exact dp": 0, "sqrt": 0}
     for k in range(6):
         budget = lowest + (baseline_peak_bytes(graph) - lowest) * k // 6
         ilp = solve_ilp(graph, budget, warm=[])
         assert ilp.solver.status == "optimal" and ilp.prediction.peak_bytes <= budget
         if budget >= least["dp"]:
-            dp = solve_dp(graph, budget)
+            dp = solve_dp(graph, budget, mem_unit=1)
             if all(not r.children for r in dp.regions):
                 assert ilp.prediction.cost_seconds <= dp.prediction.cost_seconds
                 compared["dp"] += 1
+            if not any(r.keep for r in ilp.regions):
+                assert dp.solver.status == "optimal"
+                assert dp.prediction.cost_seconds <= ilp.prediction.cost_seconds
+                compared["exact dp"] += 1
         if budget >= least["sqrt"]:
             assert ilp.prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
             compared["sqrt"] += 1
-    assert compared["dp"] and compared["sqrt"], compared
+    assert all(compared.values()), compared
 
 
 def test_warm_start_is_never_beaten_by_a_stopped_search() -> None:

@@ -561,11 +561,13 @@ def test_sqrt_never_beats_brute_force_and_fails_only_when_nothing_fits(graph: Co
             with pytest.raises(InfeasibleBudgetError) as info:
                 solve_sqrt(graph, budget)
             assert info.value.budget_bytes == budget
-            assert info.value.min_peak_bytes >= least_peak > budget
+            assert info.value.min_peak_bytes == sqrt_least > budget
             continue
         if budget < sqrt_least:  # a heuristic may miss a fitting plan, never invent one
-            with pytest.raises(InfeasibleBudgetError):
+            with pytest.raises(InfeasibleBudgetError) as info:
                 solve_sqrt(graph, budget)
+            assert info.value.min_peak_bytes == sqrt_least  # the least it states is the same at every budget
+            assert simulate(graph, info.value.least_plan).peak_bytes == sqrt_least  # and a plan of its reaches it
             continue
         plan = solve_sqrt(graph, budget)  # at or above the least it states, it always answers
         report = simulate(graph, plan)
