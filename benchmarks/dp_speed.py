@@ -73,7 +73,7 @@ def main() -> None:
                 assert cost == curve.cost(budget)
                 reference = f"{seconds:.2f}"
             sqrt_plan, sqrt_seconds = timed(solve_sqrt, graph, budget)
-            sqrt_overhead = f"{sqrt_plan.prediction.overhead:.3f}" if sqrt_plan else "infeasible"
+            sqrt_overhead = f"{sqrt_plan.cost_seconds / graph.step_cost:.3f}" if sqrt_plan else "infeasible"
             overhead = simulate_overhead(graph, one.regions(budget))
             print(f"| {len(chain)} | {units} | {one_seconds:.2f} | {every_seconds:.2f} | {reference} "
                   f"| {overhead:.3f} | {sqrt_seconds:.2f} | {sqrt_overhead} |")
@@ -86,9 +86,9 @@ def main() -> None:
     budget = least + (baseline_peak_bytes(graph) - least) // 4
     plan, seconds = timed(solve_dp, graph, budget)
     sqrt_plan, sqrt_seconds = timed(solve_sqrt, graph, budget)
-    sqrt_text = f"overhead {sqrt_plan.prediction.overhead:.3f}" if sqrt_plan else "infeasible"
-    print(f"\n1,000-node chain, default staging: dp {seconds:.1f} s ({plan.solver.note}), overhead "
-          f"{plan.prediction.overhead:.3f}; sqrt {sqrt_seconds:.1f} s, {sqrt_text}")
+    sqrt_text = f"overhead {sqrt_plan.cost_seconds / graph.step_cost:.3f}" if sqrt_plan else "infeasible"
+    print(f"\n1,000-node chain, default staging: dp {seconds:.1f} s ({plan.note}), overhead "
+          f"{plan.cost_seconds / graph.step_cost:.3f}; sqrt {sqrt_seconds:.1f} s, {sqrt_text}")
     print("\nWhat merging the 1,000 nodes into fewer stages costs, at the same budget and unit:\n")
     print("| stages | dp s, every budget | overhead |")
     print("|---|---|---|")

@@ -39,6 +39,7 @@ import torch
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.simulation import baseline_peak_bytes
+from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp import (
     blocks_share,
     build_model,
@@ -50,6 +51,7 @@ from ckptplan.solvers.ilp import (
 )
 from ckptplan.solvers.ilp_lazy import proof_search
 from ckptplan.solvers.ilp_model import COST_SCALE
+from ckptplan.solvers.sqrt import solve_sqrt
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FRACTIONS = (0.7, 0.5)
@@ -90,19 +92,21 @@ def by_blocks(graph: ckptplan.ComputeGraph, budget: int, time_limit: float) -> t
     there after ``keep_more`` when the limit leaves no proof phase), and its time."""
     started = time.perf_counter()
     try:
-        plan = solve_hierarchical(graph, budget, time_limit=time_limit, warm=())
+        plan = solve_hierarchical(graph, budget, SolveContext.limited(time_limit), warm=())
     except InfeasibleBudgetError:
         return "infeasible", time.perf_counter() - started
-    return ("no blocks" if plan is None else f"{plan.prediction.overhead:.3f}"), time.perf_counter() - started
+    overhead = "no blocks" if plan is None else f"{plan.cost_seconds / graph.step_cost:.3f}"
+    return overhead, time.perf_counter() - started
 
 
 def start_overhead(graph: ckptplan.ComputeGraph, budget: int, time_limit: float) -> str:
     """The overhead of the plan the ilp's search starts from (``starting_plan``: the ``dp``,
     ``sqrt`` and block-by-block plans, the last with the share of the limit ``solve_ilp`` gives
     it, refined by ``solvers.refine``)."""
-    warm = warm_plans(graph, budget, time_limit, names=warm_solvers(graph))
+    warm = warm_plans(graph, budget, SolveContext.limited(time_limit), names=warm_solvers(graph))
     try:
-        block_plan = solve_hierarchical(graph, budget, time_limit=time_limit * blocks_share(graph, time_limit), warm=())
+        block_plan = solve_hierarchical(graph, budget, SolveContext.limited(time_limit * blocks_share(graph, time_limit)),
+                                        warm=())
     except InfeasibleBudgetError:
         block_plan = None
     regions = starting_plan(graph, warm + ([block_plan] if block_plan is not None else []), budget)
@@ -119,15 +123,16 @@ def proof_only(graphs: dict[str, ckptplan.ComputeGraph], time_limit: float) -> N
         for fraction in FRACTIONS:
             budget = int(fraction * baseline_peak_bytes(graph))
             try:
-                start = solve_hierarchical(graph, budget, time_limit=time_limit, warm=())
+                start = solve_hierarchical(graph, budget, SolveContext.limited(time_limit), warm=())
             except InfeasibleBudgetError:
                 start = None
             if start is None or any(region.children for region in start.regions):
-                start = ckptplan.solve(graph, budget, solver="sqrt")
-            origin = "sqrt" if start.solver.name == "sqrt" else "block by block"
-            proof = proof_search(graph, budget, start.regions, seconds=time_limit, announce=False)
+                start = solve_sqrt(graph, budget)
+            origin = "sqrt" if start.solver == "sqrt" else "block by block"
+            proof = proof_search(graph, budget, start.regions, SolveContext.limited(time_limit), seconds=time_limit,
+                                 announce=False)
             gap = 0.0 if proof.cost <= 0 else (proof.cost - proof.bound) / proof.cost
-            print(f"| {name} | {len(graph.nodes)} | {fraction:.0%} | {origin} | {start.prediction.overhead:.3f} | "
+            print(f"| {name} | {len(graph.nodes)} | {fraction:.0%} | {origin} | {start.cost_seconds / graph.step_cost:.3f} | "
                   f"{proof.cost / COST_SCALE / graph.step_cost:.3f} | {proof.status.lower()} | "
                   f"{gap:.2f} | {proof.rounds} | {proof.rows} of {proof.deferred} | {proof.variables:,} | "
                   f"{proof.constraints:,} | {proof.seconds:.1f} |", flush=True)
@@ -195,10 +200,10 @@ def main() -> None:
             start = start_overhead(graph, budget, options.time_limit)
             started = time.perf_counter()
             try:
-                plan = solve_ilp(graph, budget, time_limit=options.time_limit, workers=options.workers)
-                ilp = f"{plan.prediction.overhead:.3f}"
-                status, gap = plan.solver.status, "-" if plan.solver.gap is None else f"{plan.solver.gap:.2f}"
-                proof = plan.solver.note.rpartition(": ")[2] if "proof phase" in plan.solver.note else "-"
+                plan = solve_ilp(graph, budget, SolveContext.limited(options.time_limit), workers=options.workers)
+                ilp = f"{plan.cost_seconds / graph.step_cost:.3f}"
+                status, gap = plan.status, "-" if plan.gap is None else f"{plan.gap:.2f}"
+                proof = plan.note.rpartition(": ")[2] if "proof phase" in plan.note else "-"
             except InfeasibleBudgetError:
                 ilp, status, gap, proof = "infeasible", "infeasible", "-", "-"
             seconds = time.perf_counter() - started

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import Plan
 from ckptplan.repeats import find_blocks
 from ckptplan.solvers import ilp
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.edges import at_unit_edges
 from ckptplan.solvers.least import least_of
 from ckptplan.solvers.registry import available_solvers, default_seconds, get_solver
+from ckptplan.solvers.solution import Solution, as_solution
 
 
-def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None = None) -> Plan:
+def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None = None) -> Solution:
     """Run the solvers that suit the graph and keep the cheapest plan the simulator confirms.
 
     ``sqrt`` always runs, ``dp`` too except on graphs ``ilp`` solves block by block (its chain
@@ -28,20 +27,19 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
     them made (``solvers.least``).
     """
     ctx = ctx if ctx is not None else SolveContext.limited(default_seconds("auto"))
-    started = time.perf_counter()
-    plans: list[Plan] = []
+    plans: list[Solution] = []
     errors: list[InfeasibleBudgetError] = []
     skipped: list[str] = []
 
-    def attempt(name: str, run: Callable[[], Plan]) -> None:
+    def attempt(name: str, run: Callable[[], object]) -> None:
         ctx.report(name)
         try:
-            plan = at_unit_edges(graph, run(), budget_bytes)
+            plan = at_unit_edges(graph, as_solution(graph, run()), budget_bytes)
         except InfeasibleBudgetError as exc:
             errors.append(exc)
         else:
             plans.append(plan)
-            ctx.report(cost_seconds=plan.prediction.cost_seconds, peak_bytes=plan.prediction.peak_bytes)
+            ctx.report(cost_seconds=plan.cost_seconds, peak_bytes=plan.peak_bytes)
 
     by_blocks = len(graph.nodes) > ilp.FLAT_MAX_NODES and bool(find_blocks(graph)[0])
     for name in available_solvers():
@@ -52,15 +50,12 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
             continue
         attempt(name, lambda name=name: get_solver(name)(graph, budget_bytes, ctx))
     if len(graph.nodes) <= ilp.FLAT_MAX_NODES or by_blocks:
-        warm = [p for p in plans if p.solver.name in ilp.WARM_SOLVERS]
+        warm = [p for p in plans if p.solver in ilp.WARM_SOLVERS]
         attempt("ilp", lambda: ilp.solve_ilp(graph, budget_bytes, ctx, warm=warm))
     else:
         skipped.append(f"ilp skipped: {len(graph.nodes)} nodes > {ilp.FLAT_MAX_NODES} and no repeated blocks")
     if not plans:
         plans.append(least_of(errors, budget_bytes, "No solver fits"))
-    best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
+    best = min(plans, key=lambda p: (p.cost_seconds, p.peak_bytes))
     why = "; ".join(["cheapest plan within budget", *skipped])
-    note = f"auto chose {best.solver.name}: {why}. {best.solver.note}".strip()
-    return best.model_copy(
-        update={"solver": best.solver.model_copy(update={"note": note, "seconds": time.perf_counter() - started})}
-    )
+    return best.but(note=f"auto chose {best.solver}: {why}. {best.note}".strip())

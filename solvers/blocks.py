@@ -43,15 +43,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ckptplan.build import solver_plan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage
-from ckptplan.plan import Plan, Region, SolverInfo
+from ckptplan.region import Region
 from ckptplan.repeats import Block, find_blocks
 from ckptplan.simulation import Report, baseline_peak_bytes, simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_model import keepable
 from ckptplan.solvers.refine import keep_priority
+from ckptplan.solvers.solution import Solution, solution
 from ckptplan.solvers.sqrt import least_peak_regions
 
 log = logging.getLogger(__name__)
@@ -246,10 +246,10 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
         # lowest budget tried when time is short: simulating them is cheap, where the least-peak
         # search took a third of this function's time (GPT example, 0.75 s asked: 3.8 s).
         starts = [
-            solver_plan(sub, policy, top, SolverInfo(name="ranked", status="feasible", seconds=0.0))
+            solution(sub, policy, "ranked")
             for policy in ranked
         ]
-        least = min([least_peak_regions(sub)[1], *(p.prediction.peak_bytes for p in starts)])
+        least = min([least_peak_regions(sub)[1], *(p.peak_bytes for p in starts)])
         if thorough:
             try:
                 solve_flat(sub, sub.static.resident_bytes, ctx.within(per_solve).unscored(), warm=(), announce=False, lazy=False)
@@ -257,7 +257,7 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
             except InfeasibleBudgetError as error:
                 least = min(least, error.min_peak_bytes)
         frontier = Frontier()
-        frontier.add(top, solver_plan(sub, (), top, SolverInfo(name="none", status="optimal", seconds=0.0)))
+        frontier.add(top, solution(sub, (), "none", status="optimal"))
         resolution = max(1, (top - least) // FRONTIER_RESOLUTION)
         for k in range(POLICY_BUDGETS + (FRONTIER_SOLVES if share == BALLAST_SHARES[-1] else 0)):
             if quick:
@@ -271,7 +271,7 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
                 if gap is None:
                     break
                 budget = gap
-            warm = [p for p in [*starts, *frontier.plans] if p.prediction.peak_bytes <= budget]
+            warm = [p for p in [*starts, *frontier.plans] if p.peak_bytes <= budget]
             frontier.add(budget, _block_plan(sub, budget, warm, ctx, seconds=None if quick else per_solve, slot=slot))
         for plan in frontier.plans:
             clipped = tuple(Region(r.start, min(r.end, length), keep=r.keep) for r in plan.regions if r.start < length)
@@ -281,8 +281,8 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
 
 
 def _block_plan(
-    sub: ComputeGraph, budget: int, warm: list[Plan], ctx: SolveContext, *, seconds: float | None, slot: float
-) -> Plan | None:
+    sub: ComputeGraph, budget: int, warm: list[Solution], ctx: SolveContext, *, seconds: float | None, slot: float
+) -> Solution | None:
     """The block graph ``sub``'s plan within ``budget`` (None if none is found): the flat ilp's
     with ``seconds``, or without (None) the ilp's starting plan. Either starts from ``warm`` and
     from the ``sqrt`` and ``dp`` plans (``slot``: dp's limit)."""
@@ -291,8 +291,7 @@ def _block_plan(
     warm = [*warm, *warm_plans(sub, budget, ctx.within(slot).unscored())]
     if seconds is None:
         regions = starting_plan(sub, warm, budget)
-        return None if regions is None else solver_plan(
-            sub, regions, budget, SolverInfo(name="refine", status="feasible", seconds=0.0))
+        return None if regions is None else solution(sub, regions, "refine")
     try:
         return solve_flat(sub, budget, ctx.within(seconds).unscored(), warm=warm, announce=False, lazy=False)
     except InfeasibleBudgetError:
@@ -310,26 +309,26 @@ class Frontier:
     guides where to look.)"""
 
     def __init__(self) -> None:
-        self.plans: list[Plan] = []  # the distinct plans found, in the order found
+        self.plans: list[Solution] = []  # the distinct plans found, in the order found
         self._solves: list[tuple[int, float]] = []  # (budget, cost of the plan returned; inf: none)
 
-    def add(self, budget: int, plan: Plan | None) -> None:
-        self._solves.append((budget, math.inf if plan is None else plan.prediction.cost_seconds))
+    def add(self, budget: int, plan: Solution | None) -> None:
+        self._solves.append((budget, math.inf if plan is None else plan.cost_seconds))
         if plan is not None and all(old.regions != plan.regions for old in self.plans):
             self.plans.append(plan)
 
     def widest_gap(self, *, resolution: int) -> int | None:
         """The budget in the middle of the widest unexplored gap at least ``resolution`` bytes
         wide on each side; None when there is none."""
-        pareto: list[Plan] = []
-        for plan in sorted(self.plans, key=lambda p: (p.prediction.peak_bytes, p.prediction.cost_seconds)):
-            if not pareto or plan.prediction.cost_seconds < pareto[-1].prediction.cost_seconds:
+        pareto: list[Solution] = []
+        for plan in sorted(self.plans, key=lambda p: (p.peak_bytes, p.cost_seconds)):
+            if not pareto or plan.cost_seconds < pareto[-1].cost_seconds:
                 pareto.append(plan)
         best, widest = None, 0.0
         for a, b in itertools.pairwise(pareto):
-            cost_a, high = a.prediction.cost_seconds, b.prediction.peak_bytes
-            low = max([a.prediction.peak_bytes, *(x for x, y in self._solves if y >= cost_a and x < high)])
-            box = (high - low) * (cost_a - b.prediction.cost_seconds)
+            cost_a, high = a.cost_seconds, b.peak_bytes
+            low = max([a.peak_bytes, *(x for x, y in self._solves if y >= cost_a and x < high)])
+            box = (high - low) * (cost_a - b.cost_seconds)
             if high - low >= 2 * resolution and box > widest:
                 best, widest = (low + high) // 2, box
         return best

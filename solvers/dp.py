@@ -41,18 +41,17 @@ from __future__ import annotations
 import logging
 import math
 import sys
-import time
 from dataclasses import dataclass, field
 
-from ckptplan.build import solver_plan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import Plan, Region, SolverInfo
+from ckptplan.region import Region
 from ckptplan.simulation import Report, baseline_peak_bytes, simulate
 from ckptplan.solvers.chain import SKIP_SHARE, Chain, build_chain, stage_starts
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.dp_curve import CostCurve, StageUnits, cost_curve
 from ckptplan.solvers.memo import graph_memo
+from ckptplan.solvers.solution import Solution, solution
 from ckptplan.solvers.sqrt import solve_sqrt
 from ckptplan.units import describe_bytes
 
@@ -247,7 +246,7 @@ def solve_dp(
     ctx: SolveContext | None = None,
     *,
     mem_unit: int | None = None,
-) -> Plan:
+) -> Solution:
     """Optimal nested checkpoint regions for ``graph``'s stage chain within ``budget_bytes``.
 
     ``mem_unit``: bytes per DP memory unit. Default: the range from resident memory to the
@@ -274,15 +273,8 @@ def solve_dp(
     The chains, their curves and least-peak plans do not depend on the budget: they are kept
     with the graph (``solvers.memo``), so later solves of it are a lookup and a simulated plan.
     """
-    started = time.perf_counter()
     if budget_bytes >= baseline_peak_bytes(graph):  # storing everything is free and fits
-        return solver_plan(
-            graph,
-            (),
-            budget_bytes,
-            SolverInfo(name="dp", status="optimal", seconds=time.perf_counter() - started, gap=0.0,
-                              note="the budget holds the step without checkpointing"),
-        )
+        return solution(graph, (), "dp", status="optimal", gap=0.0, note="the budget holds the step without checkpointing")
     memo = graph_memo(graph, "dp", lambda: _GraphCurves(candidate_chains(graph)))
     chains = memo.chains
     curves: list[CostCurve] = []
@@ -308,10 +300,8 @@ def solve_dp(
                 best = found
     if best is None:
         least_bytes = baseline_peak_bytes(graph) if lowest is None else lowest.report.peak_bytes
-        least_plan = None if lowest is None else solver_plan(
-            graph, lowest.regions, least_bytes, SolverInfo(name="dp", status="feasible", seconds=0.0,
-                                                           note="the stage chain's least-peak plan"),
-            report=lowest.report)
+        least_plan = None if lowest is None else solution(
+            graph, lowest.regions, "dp", note="the stage chain's least-peak plan", report=lowest.report)
         raise InfeasibleBudgetError(
             f"Budget {describe_bytes(budget_bytes)} is below the least peak the dp solver reaches, "
             f"{describe_bytes(least_bytes)}; raise the budget.",
@@ -330,19 +320,8 @@ def solve_dp(
     if best.least_search:
         note += "; the stage chain's least-peak plan (its model of merged stages overstates their memory)"
     exact = not best.repaired and not best.least_search
-    return solver_plan(
-        graph,
-        best.regions,
-        budget_bytes,
-        SolverInfo(
-            name="dp",
-            status="optimal" if exact else "feasible",
-            seconds=time.perf_counter() - started,
-            gap=0.0 if exact else None,
-            note=note,
-        ),
-        report=best.report,
-    )
+    return solution(graph, best.regions, "dp", status="optimal" if exact else "feasible", gap=0.0 if exact else None,
+                    note=note, report=best.report)
 
 
 @dataclass

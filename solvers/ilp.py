@@ -24,10 +24,9 @@ from typing import NamedTuple
 
 from ortools.sat.python import cp_model
 
-from ckptplan.build import solver_plan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import Plan, Region, SolverInfo
+from ckptplan.region import Region
 from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers import blocks, registry
 from ckptplan.solvers.context import SolveContext
@@ -37,6 +36,7 @@ from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, build_model, region_
 from ckptplan.solvers.least import least_of
 from ckptplan.solvers.refine import Moves, add_keeps, shed_keeps, simplify
 from ckptplan.solvers.registry import get_solver
+from ckptplan.solvers.solution import Solution, as_solution, solution
 from ckptplan.solvers.sqrt import least_peak_regions
 from ckptplan.units import describe_bytes
 
@@ -183,14 +183,14 @@ def warm_solvers(graph: ComputeGraph) -> tuple[str, ...]:
 def warm_plans(
     graph: ComputeGraph, budget_bytes: int, ctx: SolveContext, names: Sequence[str] = WARM_SOLVERS,
     *, errors: list[InfeasibleBudgetError] | None = None,
-) -> list[Plan]:
+) -> list[Solution]:
     """The plans of the solvers ``names`` within ``budget_bytes``, leaving out those that find none
     (their errors go to ``errors`` when given). (``sqrt`` and ``dp`` plan no region across an
     FSDP unit edge, so these run as they are.)"""
     plans = []
     for name in names:
         try:
-            plans.append(get_solver(name)(graph, budget_bytes, ctx))
+            plans.append(as_solution(graph, get_solver(name)(graph, budget_bytes, ctx)))
         except InfeasibleBudgetError as exc:
             if errors is not None:
                 errors.append(exc)
@@ -205,8 +205,8 @@ def solve_ilp(
     workers: int = 1,
     seed: int = 0,
     window: int | None = None,
-    warm: Sequence[Plan] | None = None,
-) -> Plan:
+    warm: Sequence[Solution] | None = None,
+) -> Solution:
     """The least-recompute one-level plan with keep-sets whose simulated peak fits ``budget_bytes``.
 
     On graphs made of repeated blocks the block-by-block plan (``solvers.blocks``: the flat model
@@ -225,7 +225,6 @@ def solve_ilp(
     one the phases left are skipped. ``ctx.limit`` sizes the phases; they end by ``ctx.deadline``
     (None: ``DEFAULT_TIME_LIMIT`` from now).
     """
-    started = time.perf_counter()
     ctx = ctx if ctx is not None else SolveContext.limited(DEFAULT_TIME_LIMIT)
     made = list(warm or ())  # every plan made so far that fits the budget
     try:
@@ -234,20 +233,20 @@ def solve_ilp(
         return _solve_ilp(graph, budget_bytes, made, ctx, workers=workers, seed=seed, window=window, warm=warm)
     except KeyboardInterrupt:
         ctx.cancel.set()
-        return _interrupted(graph, budget_bytes, made, started, ctx)
+        return _interrupted(graph, budget_bytes, made, ctx)
 
 
 def _solve_ilp(
     graph: ComputeGraph,
     budget_bytes: int,
-    made: list[Plan],
+    made: list[Solution],
     ctx: SolveContext,
     *,
     workers: int,
     seed: int,
     window: int | None,
-    warm: Sequence[Plan] | None,
-) -> Plan:
+    warm: Sequence[Solution] | None,
+) -> Solution:
     """``solve_ilp``'s phases, each plan they make added to ``made`` (which starts as ``warm``);
     a Ctrl-C that a CP-SAT search of the block-by-block phase took (``ctx.cancel``) raises
     ``KeyboardInterrupt`` again before the next phase."""
@@ -282,23 +281,22 @@ def _solve_ilp(
     except InfeasibleBudgetError as exc:
         # The least peak ilp states is the least of every plan it could return: its own one-level
         # plans' and the warm solvers' (a nested dp plan may peak lower).
-        leasts = [e for e in warm_errors if isinstance(e.least_plan, Plan)]
+        leasts = [e for e in warm_errors if isinstance(e.least_plan, Solution)]
         if not any(e.min_peak_bytes < exc.min_peak_bytes for e in leasts):
             raise
         return least_of([exc, *leasts], budget_bytes, "No ilp plan fits")
 
 
-def _interrupted(graph: ComputeGraph, budget_bytes: int, made: list[Plan], started: float, ctx: SolveContext) -> Plan:
+def _interrupted(graph: ComputeGraph, budget_bytes: int, made: list[Solution], ctx: SolveContext) -> Solution:
     """The cheapest of ``made`` (else ``sqrt``'s plan) as ``solve_ilp``'s answer to a Ctrl-C that
     came before its search could return one; ``KeyboardInterrupt`` again when there is none."""
     plans = made or warm_plans(graph, budget_bytes, ctx.within(0.0), names=("sqrt",))
     if not plans:
         raise KeyboardInterrupt
-    best = min(plans, key=lambda p: p.prediction.cost_seconds)
+    best = min(plans, key=lambda p: p.cost_seconds)
     log.info("ilp: stopped by Ctrl-C; returning the %s plan", _origin(best))
-    return best.model_copy(update={"solver": SolverInfo(
-        name="ilp", status="timeout", seconds=time.perf_counter() - started,
-        note=f"stopped by Ctrl-C before its search returned; the {_origin(best)} plan made so far")})
+    return best.but(solver="ilp", status="timeout", gap=None, origin=None,
+                    note=f"stopped by Ctrl-C before its search returned; the {_origin(best)} plan made so far")
 
 
 def proof_share(graph: ComputeGraph) -> float:
@@ -323,13 +321,12 @@ def solve_hierarchical(
     budget_bytes: int,
     ctx: SolveContext,
     *,
-    warm: Sequence[Plan] | None = None,
+    warm: Sequence[Solution] | None = None,
     policy_share: float = POLICY_SHARE,
-) -> Plan | None:
+) -> Solution | None:
     """``solvers.blocks`` on ``graph``; None when it has no repeated blocks. ``policy_share`` of
     ``ctx.limit`` goes to finding block policies; ``warm`` plans (default: ``sqrt``'s, made
     after them) are returned instead when cheaper, or when the decomposition finds no plan."""
-    started = time.perf_counter()
     ctx.report("ilp: block by block")
     found = blocks.decompose(graph, ctx.within(ctx.limit * policy_share).unscored())
     if found is None:
@@ -341,9 +338,8 @@ def solve_hierarchical(
     if result is None:
         if not warm:
             least, regions = blocks.least_peak(graph, dec, windows)
-            info = SolverInfo(name="ilp", status="feasible", seconds=time.perf_counter() - started,
-                              note=f"{note}; the least-peak choice of block policies", origin=HIERARCHICAL)
-            least_plan = solver_plan(graph, regions, max(least, budget_bytes), info)
+            least_plan = solution(graph, regions, "ilp", note=f"{note}; the least-peak choice of block policies",
+                                  origin=HIERARCHICAL)
             if least <= budget_bytes:
                 return least_plan
             raise InfeasibleBudgetError(
@@ -351,27 +347,22 @@ def solve_hierarchical(
                 f"{describe_bytes(least)}; raise the budget or try --solver dp (nested regions).",
                 budget_bytes=budget_bytes, min_peak_bytes=least, least_plan=least_plan,
             )
-        best = min(warm, key=lambda p: p.prediction.cost_seconds)
-        return best.model_copy(update={"solver": SolverInfo(
-            name="ilp", status="feasible", seconds=time.perf_counter() - started,
-            note=f"{note}; no block choice fits, returning the {best.solver.name} plan", origin=_origin(best))})
+        best = min(warm, key=lambda p: p.cost_seconds)
+        return best.but(solver="ilp", status="feasible", gap=None, origin=_origin(best),
+                        note=f"{note}; no block choice fits, returning the {best.solver} plan")
     regions, report, repairs = result
     if repairs:
         note += f"; chosen again {repairs} time(s) below the budget where blocks interact"
-    plan = solver_plan(graph, regions, budget_bytes, SolverInfo(
-        name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note, origin=HIERARCHICAL),
-        report=report)
-    cheaper = [p for p in warm if p.prediction.cost_seconds < plan.prediction.cost_seconds]
+    plan = solution(graph, regions, "ilp", note=note, origin=HIERARCHICAL, report=report)
+    cheaper = [p for p in warm if p.cost_seconds < plan.cost_seconds]
     if cheaper:
-        best = min(cheaper, key=lambda p: p.prediction.cost_seconds)
-        return best.model_copy(update={"solver": SolverInfo(
-            name="ilp", status="feasible", seconds=time.perf_counter() - started,
-            note=f"the {best.solver.name} plan is cheaper than the block-by-block plan ({dec.describe()})",
-            origin=_origin(best))})
+        best = min(cheaper, key=lambda p: p.cost_seconds)
+        return best.but(solver="ilp", status="feasible", gap=None, origin=_origin(best),
+                        note=f"the {best.solver} plan is cheaper than the block-by-block plan ({dec.describe()})")
     return plan
 
 
-def keep_more(graph: ComputeGraph, plan: Plan, budget_bytes: int, ctx: SolveContext) -> Plan:
+def keep_more(graph: ComputeGraph, plan: Solution, budget_bytes: int, ctx: SolveContext) -> Solution:
     """``plan`` after ``refine.add_keeps`` with ``LARGE_REFINE_SHARE`` of ``ctx.limit`` in moves (at
     ``LARGE_SIMULATE_SECONDS_PER_NODE`` each); ``plan`` itself when it is nested, when no keep
     both fits and recomputes less, or on Ctrl-C (during the moves or before them).
@@ -379,9 +370,8 @@ def keep_more(graph: ComputeGraph, plan: Plan, budget_bytes: int, ctx: SolveCont
     The block-by-block plan picks each block's policy from a menu of whole-block solves; a keep
     added where another block's backward leaves room is a choice the menu cannot make
     (GPT-3 at 80 GB: 18.6% of the step with auto's 30 s, 18.2% after its 24 moves)."""
-    if ctx.over() or any(region.children for region in plan.regions):
+    if ctx.cancelled or any(region.children for region in plan.regions):  # moves are counted, not timed
         return plan
-    started = time.perf_counter()
     count = int(LARGE_REFINE_SHARE * ctx.limit / (LARGE_SIMULATE_SECONDS_PER_NODE * len(graph.nodes)))
     try:
         regions = add_keeps(graph, plan.regions, budget_bytes, moves=Moves(count))
@@ -391,10 +381,8 @@ def keep_more(graph: ComputeGraph, plan: Plan, budget_bytes: int, ctx: SolveCont
     if regions == plan.regions:
         return plan
     added = sum(len(r.keep) for r in regions) - sum(len(r.keep) for r in plan.regions)
-    solver = plan.solver
-    return solver_plan(graph, regions, budget_bytes, solver.model_copy(update={
-        "seconds": solver.seconds + time.perf_counter() - started,
-        "note": f"{solver.note}; then {added} more output(s) kept by refine.add_keeps"}))
+    return solution(graph, regions, plan.solver, status=plan.status, gap=plan.gap, origin=plan.origin,
+                    note=f"{plan.note}; then {added} more output(s) kept by refine.add_keeps")
 
 
 def _gap(optimal: bool, cost: float, bound: float) -> float:
@@ -412,11 +400,11 @@ def solve_flat(
     workers: int = 1,
     seed: int = 0,
     window: int | None = None,
-    warm: Sequence[Plan] | None = None,
+    warm: Sequence[Solution] | None = None,
     announce: bool = True,
     lazy: bool = True,
     proof_only: bool = False,
-) -> Plan:
+) -> Solution:
     """``solve_ilp`` on the whole graph as one CP-SAT model.
 
     ``search_seconds`` (default ``ctx.limit``) bounds the reproducible search
@@ -434,15 +422,10 @@ def solve_flat(
     it when no warm plan is one-level and fits. ``proof_only``: no reproducible search, the proof
     phase starts from the refined warm plans at once and runs until ``ctx``'s deadline.
     """
-    started = time.perf_counter()
     limit = ctx.limit if search_seconds is None else search_seconds
-    end = min(started + limit, ctx.deadline)
+    end = ctx.within(limit).deadline
     if budget_bytes >= baseline_peak_bytes(graph):
-        return solver_plan(
-            graph, (), budget_bytes,
-            SolverInfo(name="ilp", status="optimal", seconds=time.perf_counter() - started, gap=0.0,
-                       note="the budget holds the step without checkpointing"),
-        )
+        return solution(graph, (), "ilp", status="optimal", gap=0.0, note="the budget holds the step without checkpointing")
     warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, ctx)
     if not warm:
         warm = [_least_plan(graph, budget_bytes, ctx.within(limit * LEAST_SHARE), workers=workers, seed=seed,
@@ -466,7 +449,7 @@ def solve_flat(
         found, regions = _proof_phase(graph, budget_bytes, start, ctx, seconds=max(0.1, last - time.perf_counter()),
                                       seed=seed, window=window, bound=0.0, announce=announce)
         status, bound = found.status, found.bound
-        blocks_note = next((f" ({p.solver.note})" for p in warm if _origin(p) == HIERARCHICAL), "")
+        blocks_note = next((f" ({p.note})" for p in warm if _origin(p) == HIERARCHICAL), "")
         how = f"proof phase on the whole graph from the cheapest warm plan{blocks_note}: {found.describe()}"
     else:
         ctx.report("ilp: search")
@@ -490,41 +473,36 @@ def solve_flat(
     if region_window(graph, window) < len(graph.nodes):
         size += f", regions of at most {region_window(graph, window)} nodes"
     if regions is None:  # no one-level plan (proven, when a warm plan is nested), or none in time
-        fallback = min(warm, key=lambda p: p.prediction.cost_seconds)
+        fallback = min(warm, key=lambda p: p.cost_seconds)
         if status == "INFEASIBLE":
             status, note = "feasible", f"no one-level plan fits ({size}); returning the {_origin(fallback)} plan"
         else:
             status, note = "timeout", f"no ilp plan within {limit:g} s ({size}); returning the {_origin(fallback)} plan"
-        return fallback.model_copy(update={"solver": SolverInfo(
-            name="ilp", status=status, seconds=time.perf_counter() - started, note=note)})
-    plan = solver_plan(graph, regions, budget_bytes, SolverInfo(name="ilp", status="feasible", seconds=0.0))
-    better_warm = [p for p in warm if p.prediction.cost_seconds < plan.prediction.cost_seconds]
+        return fallback.but(solver="ilp", status=status, note=note, gap=None, origin=None)
+    plan = solution(graph, regions, "ilp")
+    better_warm = [p for p in warm if p.cost_seconds < plan.cost_seconds]
     if better_warm:
         # Only a nested dp plan can beat the optimum of the one-level space, or a stopped search.
-        best = min(better_warm, key=lambda p: p.prediction.cost_seconds)
+        best = min(better_warm, key=lambda p: p.cost_seconds)
         note = f"the {_origin(best)} plan is cheaper than the best one-level plan found ({size})"
-        return best.model_copy(update={"solver": SolverInfo(
-            name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note)})
-    cost = plan.prediction.cost_seconds * COST_SCALE
+        return best.but(solver="ilp", status="feasible", note=note, gap=None, origin=None)
+    cost = plan.cost_seconds * COST_SCALE
     gap = _gap(status == "OPTIMAL", cost, bound)
     note = f"one-level regions with keep-sets, {size}; {how}"
-    return plan.model_copy(update={"solver": SolverInfo(
-        name="ilp", status="optimal" if status == "OPTIMAL" else "feasible", seconds=time.perf_counter() - started,
-        gap=gap, note=note)})
+    return plan.but(status="optimal" if status == "OPTIMAL" else "feasible", gap=gap, note=note)
 
 
 def _least_plan(
     graph: ComputeGraph, budget_bytes: int, ctx: SolveContext, *, workers: int, seed: int, window: int | None
-) -> Plan:
+) -> Solution:
     """Where the search starts when no warm plan fits: the plan of least peak ``least_peak`` finds
     in ``ctx`` (on CP-SAT's deterministic clock, so the same on every run), when it fits; else
     ``InfeasibleBudgetError`` stating that plan's peak, which a solve at that budget reaches."""
     least = least_peak(graph, ctx, deterministic_seconds=ctx.limit * DETERMINISTIC_SECONDS_PER_SECOND,
                        workers=workers, seed=seed, window=window)
-    info = SolverInfo(name="ilp", status="optimal" if least.proven else "feasible", seconds=0.0,
-                      note="the least peak one-level plans with keep-sets reach" if least.proven else
-                      "the least peak the search for it found")
-    plan = solver_plan(graph, least.regions, max(budget_bytes, least.peak_bytes), info)
+    plan = solution(graph, least.regions, "ilp", status="optimal" if least.proven else "feasible",
+                    note="the least peak one-level plans with keep-sets reach" if least.proven else
+                    "the least peak the search for it found")
     if least.peak_bytes <= budget_bytes:
         return plan
     reach = (
@@ -604,7 +582,7 @@ def _search(
 
 
 def starting_plan(
-    graph: ComputeGraph, warm: Sequence[Plan], budget_bytes: int, *, moves: Moves | None = None
+    graph: ComputeGraph, warm: Sequence[Solution], budget_bytes: int, *, moves: Moves | None = None
 ) -> tuple[Region, ...] | None:
     """Where the search starts: the cheapest one-level plan made from the regions of a one-level
     ``warm`` plan by ``refine.add_keeps``, either on its keep-sets or on ``refine.shed_keeps``'s
@@ -619,6 +597,6 @@ def starting_plan(
     return None if best is None else simplify(graph, best, budget_bytes)
 
 
-def _origin(plan: Plan) -> str:
-    """What made a warm-start plan's regions, for notes (``SolverInfo.origin``)."""
-    return plan.solver.origin or plan.solver.name
+def _origin(plan: Solution) -> str:
+    """What made a warm-start plan's regions, for notes (``Solution.origin``)."""
+    return plan.origin or plan.solver

@@ -1,19 +1,23 @@
 """The orchestration layer: one ``solve`` owns the clock, cancellation, the simulator's check and
-the plan's budget record; the solvers under it are kernels run under its ``SolveContext``."""
+the ``Plan``'s assembly; the solvers under it are kernels run under its ``SolveContext``, each
+returning a ``Solution`` (regions, remat, the simulator's report and where they came from)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
+from ckptplan.build import make_plan
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import BudgetInfo, Plan
+from ckptplan.plan import BudgetInfo, Plan, SolverInfo
 from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers.context import Progress, SolveContext
 from ckptplan.solvers.edges import at_unit_edges
 from ckptplan.solvers.least import least_plan
 from ckptplan.solvers.registry import default_seconds, get_solver
 from ckptplan.solvers.remat_plans import with_remat
+from ckptplan.solvers.solution import Solution, as_solution
 from ckptplan.units import describe_bytes, parse_budget
 
 
@@ -38,26 +42,50 @@ def solve(
     """
     budget_bytes = parse_budget(budget, baseline_peak_bytes(graph))
     kernel = get_solver(solver)
-    _refuse_below_state(graph, budget_bytes, solver)
-    ctx = SolveContext.limited(time_limit, default=default_seconds(solver), on_progress=progress)
-    remat = solver == "auto" if remat is None else remat
+    started = time.perf_counter()
+    requested = BudgetInfo(requested=budget if isinstance(budget, str) else repr(budget), bytes=budget_bytes)
+    try:
+        _refuse_below_state(graph, budget_bytes, solver)
+        ctx = SolveContext.limited(time_limit, default=default_seconds(solver), on_progress=progress)
 
-    def run(g: ComputeGraph, phase: SolveContext) -> Plan:
-        return at_unit_edges(g, kernel(g, budget_bytes, phase), budget_bytes)
+        def run(g: ComputeGraph, phase: SolveContext) -> Solution:
+            return at_unit_edges(g, as_solution(g, kernel(g, budget_bytes, phase)), budget_bytes)
 
-    plan = with_remat(graph, budget_bytes, run, ctx, solver) if remat else run(graph, ctx)
-    report = simulate(graph, plan)
-    if report.peak_bytes != plan.prediction.peak_bytes or report.peak_bytes > budget_bytes:
+        remat = solver == "auto" if remat is None else remat
+        found = with_remat(graph, budget_bytes, run, ctx, solver) if remat else run(graph, ctx)
+    except InfeasibleBudgetError as exc:
+        raise _with_plan(graph, exc) from None
+    report = simulate(graph, found.regions, remat=found.remat)
+    if report.peak_bytes != found.peak_bytes or report.peak_bytes > budget_bytes:
         raise CkptPlanError(
             f"Solver {solver!r} returned a plan the simulator does not confirm "
-            f"(claimed {plan.prediction.peak_bytes} bytes, simulated {report.peak_bytes}, budget {budget_bytes}); "
+            f"(claimed {found.peak_bytes} bytes, simulated {report.peak_bytes}, budget {budget_bytes}); "
             "this is a bug in ckptplan, please report it."
         )
-    requested = budget if isinstance(budget, str) else repr(budget)
-    update: dict = {"budget": BudgetInfo(requested=requested, bytes=budget_bytes)}
-    if ctx.cancelled and "Ctrl-C" not in plan.solver.note:
-        update["solver"] = plan.solver.model_copy(update={"note": f"{plan.solver.note}; stopped by Ctrl-C".lstrip("; ")})
-    return plan.model_copy(update=update)
+    note = found.note
+    if ctx.cancelled and "Ctrl-C" not in note:
+        note = f"{note}; stopped by Ctrl-C".lstrip("; ")
+    info = SolverInfo(name=found.solver, status=found.status, seconds=time.perf_counter() - started, gap=found.gap,
+                      note=note, origin=found.origin)
+    return make_plan(graph, found.regions, budget=requested, solver=info, report=report, remat=found.remat)
+
+
+def plan_of(graph: ComputeGraph, found: Solution, budget_bytes: int) -> Plan:
+    """``found`` as a ``Plan`` for ``graph`` at ``budget_bytes`` (what an error's least plan is)."""
+    info = SolverInfo(name=found.solver, status=found.status, seconds=0.0, gap=found.gap, note=found.note,
+                      origin=found.origin)
+    return make_plan(graph, found.regions, budget=BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes),
+                     solver=info, report=found.report, remat=found.remat)
+
+
+def _with_plan(graph: ComputeGraph, exc: InfeasibleBudgetError) -> InfeasibleBudgetError:
+    """``exc`` with its least-peak ``Solution`` made a ``Plan`` at that peak, as the public error
+    carries it (``errors.InfeasibleBudgetError.least_plan``)."""
+    least = exc.least_plan
+    if not isinstance(least, Solution):
+        return exc
+    return InfeasibleBudgetError(str(exc), budget_bytes=exc.budget_bytes, min_peak_bytes=exc.min_peak_bytes,
+                                 least_plan=plan_of(graph, least, least.peak_bytes))
 
 
 def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> None:
@@ -75,7 +103,7 @@ def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> 
     plans, errors = [], []
     for name in quick:
         try:
-            plans.append(get_solver(name)(graph, floor, SolveContext.limited(None)))
+            plans.append(as_solution(graph, get_solver(name)(graph, floor, SolveContext.limited(None))))
         except InfeasibleBudgetError as exc:
             errors.append(exc)
     held = (f"the {describe_bytes(floor)} every plan holds before any activation (parameters, buffers, inputs"
@@ -87,9 +115,9 @@ def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> 
             "or shard the model (--shard-degree).",
             budget_bytes=budget_bytes, min_peak_bytes=floor,
         )
-    peak = least.prediction.peak_bytes
+    peak = least.peak_bytes
     raise InfeasibleBudgetError(
         f"Budget {describe_bytes(budget_bytes)} is below {held}; the least peak of a plan found at once is "
-        f"{describe_bytes(peak)} ({least.solver.name}). Raise the budget, or shard the model (--shard-degree).",
+        f"{describe_bytes(peak)} ({least.solver}). Raise the budget, or shard the model (--shard-degree).",
         budget_bytes=budget_bytes, min_peak_bytes=peak, least_plan=least,
     )

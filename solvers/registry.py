@@ -1,5 +1,6 @@
-"""Solvers by name. A solver is a function ``(graph, budget_bytes, ctx) -> Plan`` over a frozen
-``ComputeGraph``, run under a ``SolveContext`` (``solvers.context``); none imports torch.
+"""Solvers by name. A solver is a kernel ``(graph, budget_bytes, ctx) -> Solution`` over a frozen
+``ComputeGraph``, run under a ``SolveContext`` (``solvers.context``); none imports torch. A
+solver a user registers may return a ``Plan`` instead (``solution.as_solution`` reads it).
 
 The built-in solvers are listed here, each with the time it takes when the caller sets no
 limit, and imported when first asked for; ``register`` adds a user's solver beside them.
@@ -16,13 +17,14 @@ from typing import TYPE_CHECKING, Protocol
 from ckptplan.errors import UnknownSolverError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan
+from ckptplan.solvers.solution import Solution
 
 if TYPE_CHECKING:
     from ckptplan.solvers.context import SolveContext
 
 
 class Solver(Protocol):
-    def __call__(self, graph: ComputeGraph, budget_bytes: int, ctx: SolveContext) -> Plan: ...
+    def __call__(self, graph: ComputeGraph, budget_bytes: int, ctx: SolveContext) -> Solution | Plan: ...
 
 
 @dataclass(frozen=True)

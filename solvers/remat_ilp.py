@@ -17,14 +17,12 @@ suits graphs of up to ``ilp.FLAT_MAX_NODES`` nodes.
 from __future__ import annotations
 
 import logging
-import time
 
 from ortools.sat.python import cp_model
 
 from ckptplan import remat as _remat
-from ckptplan.build import solver_plan
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import Plan, Region, SolverInfo
+from ckptplan.region import Region
 from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import configure, extract_regions, extract_remat, fix_plan, solve_interruptibly
@@ -35,6 +33,7 @@ from ckptplan.solvers.ilp import (
     LNS_WINDOW,
 )
 from ckptplan.solvers.ilp_model import build_model, region_window
+from ckptplan.solvers.solution import Solution, solution
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +55,9 @@ def affordable(graph: ComputeGraph, seconds: float | None) -> bool:
 
 
 def search_with_remat(
-    graph: ComputeGraph, budget_bytes: int, start: Plan, ctx: SolveContext, *, max_steps: int | None = None,
+    graph: ComputeGraph, budget_bytes: int, start: Solution, ctx: SolveContext, *, max_steps: int | None = None,
     seed: int = 0,
-) -> Plan | None:
+) -> Solution | None:
     """The cheapest plan a large-neighbourhood search of the joint model finds from ``start`` (a
     plan of one level that fits ``budget_bytes``) in ``ctx.limit`` seconds, or None when it finds
     none cheaper. As ``ilp.improve_locally`` does for regions alone: free the decisions (region,
@@ -68,9 +67,8 @@ def search_with_remat(
     ``max_steps`` steps (default ``ctx.limit / STEP_SECONDS``) or
     ``ilp.DETERMINISTIC_SECONDS_PER_SECOND`` of the limit on CP-SAT's deterministic clock: the same
     inputs give the same plan unless the wall clock, which only backs these up, ends it first."""
-    started = time.perf_counter()
     time_limit = ctx.limit
-    deadline = min(started + time_limit, ctx.deadline)
+    phase = ctx.within(time_limit)
     if any(r.children for r in start.regions):
         return None
     log.info("remat: choosing regions and rematerialised ops together, up to %.0f s", min(time_limit, ctx.left()))
@@ -80,18 +78,18 @@ def search_with_remat(
     model, v = build_model(graph, budget_bytes, window=window, remat=_remat.candidates(graph))
     model.Minimize(v.cost)
     clock = time_limit * DETERMINISTIC_SECONDS_PER_SECOND
-    best, best_report, steps = (start.regions, start.remat), simulate(graph, start), 0
+    best, best_report, steps = (start.regions, start.remat), start.report, 0
     most_steps = max(1, int(time_limit / STEP_SECONDS)) if max_steps is None else max_steps
     improved = True
-    while improved and clock > 0 and steps < most_steps and time.perf_counter() < deadline and not ctx.cancelled:
+    while improved and clock > 0 and steps < most_steps and not phase.over():
         improved = False
         for lo in _neighbourhoods(graph, best[0], best_report):
-            if clock <= 0 or steps >= most_steps or time.perf_counter() >= deadline:
+            if clock <= 0 or steps >= most_steps or phase.over():
                 break
             sub = model.Clone()
             fix_plan(sub, graph, v, best[0], free=range(lo, lo + LNS_WINDOW), remat=best[1])
             solver = cp_model.CpSolver()
-            configure(solver, wall_seconds=deadline - time.perf_counter(),
+            configure(solver, wall_seconds=phase.left(),
                       deterministic_seconds=min(STEP_DETERMINISTIC_SECONDS, clock), workers=1, seed=seed)
             # Most of a step's time is CP-SAT's presolve of the copied model; these cut it by about
             # half on the GPT example (160 nodes, 45,000 variables), with the same step optima.
@@ -116,10 +114,9 @@ def search_with_remat(
     note = (
         f"one-level regions with keep-sets and rematerialisation chosen together ({len(graph.nodes)} nodes, "
         f"{len(proto.variables)} variables): {steps} neighbourhood steps from a plan costing "
-        f"{start.prediction.cost_seconds * 1e3:.2f} ms; rematerialises {len(best[1])} nodes"
+        f"{start.cost_seconds * 1e3:.2f} ms; rematerialises {len(best[1])} nodes"
     )
-    info = SolverInfo(name="ilp", status="feasible", seconds=time.perf_counter() - started, note=note)
-    return solver_plan(graph, best[0], budget_bytes, info, report=best_report, remat=best[1])
+    return solution(graph, best[0], "ilp", note=note, report=best_report, remat=best[1])
 
 
 def _neighbourhoods(graph: ComputeGraph, regions: tuple[Region, ...], report: Report) -> list[int]:

@@ -4,18 +4,17 @@ solve weighs them against the solver's plain plan."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 from ckptplan import remat as _remat
-from ckptplan.build import solver_plan
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import Plan, Region, SolverInfo
+from ckptplan.region import Region
 from ckptplan.simulation import build_region_tree, simulate
 from ckptplan.solvers import remat_ilp
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.least import least_of
+from ckptplan.solvers.solution import Solution, solution
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +26,10 @@ SHED_SIMULATED_NODES = 20_000  # shed_remat simulates at most this many nodes' w
 def with_remat(
     graph: ComputeGraph,
     budget_bytes: int,
-    run: Callable[[ComputeGraph, SolveContext], Plan],
+    run: Callable[[ComputeGraph, SolveContext], Solution],
     ctx: SolveContext,
     solver: str = "",
-) -> Plan:
+) -> Solution:
     """The cheapest of ``run``'s plan for ``graph`` and plans that rematerialise candidates
     (``remat.by_price``, cheapest per byte first, chains included):
 
@@ -52,7 +51,6 @@ def with_remat(
     ``solver`` names what ``run`` runs, for the notes and the search. A Ctrl-C that stopped the
     plain solve's ``ilp`` skips the later solve and the search. When neither fits, the least
     peak of the plans either made (``solvers.least``), each simulated on ``graph``."""
-    started = time.perf_counter()
     limit = ctx.limit
     order = _remat.by_price(graph)
     names = tuple(graph.nodes[x].name for x in order)
@@ -60,7 +58,7 @@ def with_remat(
     both = bool(order) and not alone
     joint = solver in ("auto", "ilp") and remat_ilp.affordable(graph, limit * JOINT_SHARE)
     plain_share = (PLAIN_SHARE if joint else 0.5) if both or joint else 1.0
-    plans: list[Plan] = []
+    plans: list[Solution] = []
     errors: list[InfeasibleBudgetError] = []
     try:
         plans.append(run(graph, ctx.within(limit * plain_share)))
@@ -75,9 +73,8 @@ def with_remat(
             else:
                 short = middle
         chose = "auto chose remat: " if solver == "auto" else ""
-        info = SolverInfo(name="remat", status="feasible", seconds=time.perf_counter() - started,
-                          note=f"{chose}no regions, rematerialises {fits} of {len(names)} candidates, the fewest that fit")
-        plans.append(solver_plan(graph, (), budget_bytes, info, remat=names[:fits]))
+        note = f"{chose}no regions, rematerialises {fits} of {len(names)} candidates, the fewest that fit"
+        plans.append(solution(graph, (), "remat", note=note, remat=names[:fits]))
     elif both and not ctx.cancelled:
         log.info("remat: solving again with %d cheap ops rematerialised (dropped after forward, recomputed in backward)",
                  len(order))
@@ -91,23 +88,23 @@ def with_remat(
                 errors.append(_on_graph(graph, exc, order))
         else:
             kept = shed_remat(graph, shrunk.regions, _beside(graph, order, shrunk.regions), budget_bytes)
-            note = f"{shrunk.solver.note}; rematerialises {len(kept)} nodes".lstrip("; ")
-            plan = solver_plan(graph, shrunk.regions, budget_bytes, shrunk.solver.model_copy(update={"note": note}),
-                               remat=[graph.nodes[x].name for x in kept])
-            if plan.prediction.peak_bytes <= budget_bytes:
+            note = f"{shrunk.note}; rematerialises {len(kept)} nodes".lstrip("; ")
+            plan = solution(graph, shrunk.regions, shrunk.solver, status=shrunk.status, note=note, gap=shrunk.gap,
+                            origin=shrunk.origin, remat=[graph.nodes[x].name for x in kept])
+            if plan.peak_bytes <= budget_bytes:
                 plans.append(plan)
-                ctx.report(cost_seconds=plan.prediction.cost_seconds, peak_bytes=plan.prediction.peak_bytes)
+                ctx.report(cost_seconds=plan.cost_seconds, peak_bytes=plan.peak_bytes)
     if not plans:
         plans.append(least_of(errors, budget_bytes, "No plan fits"))
-    best = min(plans, key=lambda p: (p.prediction.cost_seconds, p.prediction.peak_bytes))
-    if joint and best.prediction.cost_seconds > 0 and not ctx.cancelled:
+    best = min(plans, key=lambda p: (p.cost_seconds, p.peak_bytes))
+    if joint and best.cost_seconds > 0 and not ctx.cancelled:
         ctx.report("joint search of regions and rematerialisation")
         found = remat_ilp.search_with_remat(graph, budget_bytes, best, ctx.sized(limit * JOINT_SHARE))
         if found is not None:
             chose = "auto chose ilp: " if solver == "auto" else ""
-            best = found.model_copy(update={"solver": found.solver.model_copy(update={"note": chose + found.solver.note})})
-            ctx.report(cost_seconds=best.prediction.cost_seconds, peak_bytes=best.prediction.peak_bytes)
-    return best.model_copy(update={"solver": best.solver.model_copy(update={"seconds": time.perf_counter() - started})})
+            best = found.but(note=chose + found.note)
+            ctx.report(cost_seconds=best.cost_seconds, peak_bytes=best.peak_bytes)
+    return best
 
 
 def shed_remat(graph: ComputeGraph, regions: tuple[Region, ...], nodes: Sequence[int], budget_bytes: int) -> list[int]:
@@ -141,9 +138,10 @@ def _on_graph(graph: ComputeGraph, exc: InfeasibleBudgetError, nodes: Sequence[i
     """``exc`` from the solve on the graph with ``nodes`` rematerialised, its least-peak plan made
     on ``graph`` (``_beside``) and simulated there."""
     least = exc.least_plan
-    if not isinstance(least, Plan):
+    if not isinstance(least, Solution):
         return exc
     remat = [graph.nodes[x].name for x in _beside(graph, nodes, least.regions)]
-    plan = solver_plan(graph, least.regions, exc.budget_bytes, least.solver, remat=remat)
-    return InfeasibleBudgetError(str(exc), budget_bytes=exc.budget_bytes, min_peak_bytes=plan.prediction.peak_bytes,
+    plan = solution(graph, least.regions, least.solver, status=least.status, note=least.note, gap=least.gap,
+                    origin=least.origin, remat=remat)
+    return InfeasibleBudgetError(str(exc), budget_bytes=exc.budget_bytes, min_peak_bytes=plan.peak_bytes,
                                  least_plan=plan)

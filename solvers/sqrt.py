@@ -14,17 +14,16 @@ where a segment boundary stores little (Chen's "articulation points" on chains).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
-from ckptplan.build import solver_plan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import Plan, Region, SolverInfo
+from ckptplan.region import Region
 from ckptplan.sharding import split_at_unit_edges
 from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.memo import graph_memo
+from ckptplan.solvers.solution import Solution, solution
 from ckptplan.units import describe_bytes
 
 # How many thresholds B to try, spread geometrically between the largest single op's saved
@@ -69,10 +68,9 @@ def segment(graph: ComputeGraph, threshold_bytes: float, cuts: set[int]) -> list
     return segments
 
 
-def solve_sqrt(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None = None) -> Plan:
+def solve_sqrt(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None = None) -> Solution:
     """Cheapest plan found by Chen's segmenting over the searched thresholds and cut sets
     (all of them, or as many as ``ctx``'s time allows)."""
-    started = time.perf_counter()
     n = len(graph.nodes)
     best: tuple[float, int, tuple[Region, ...], Report] | None = None
     least: tuple[int, int] | None = None  # (peak, candidate)
@@ -89,29 +87,17 @@ def solve_sqrt(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
             break
     if best is None:
         least_peak, k = least
-        info = SolverInfo(name="sqrt", status="feasible", seconds=time.perf_counter() - started,
-                          note="the sqrt candidate of least peak")
         raise InfeasibleBudgetError(
             f"Budget {describe_bytes(budget_bytes)} is below the least peak the sqrt solver reaches, "
             f"{describe_bytes(least_peak)}; raise the budget or try another solver.",
             budget_bytes=budget_bytes,
             min_peak_bytes=least_peak,
-            least_plan=solver_plan(graph, scored.candidates[k], least_peak, info, report=scored.report(graph, k)),
+            least_plan=solution(graph, scored.candidates[k], "sqrt", note="the sqrt candidate of least peak",
+                                report=scored.report(graph, k)),
         )
     _, _, regions, report = best
-    segments = len(regions)
-    return solver_plan(
-        graph,
-        regions,
-        budget_bytes,
-        SolverInfo(
-            name="sqrt",
-            status="feasible",
-            seconds=time.perf_counter() - started,
-            note=f"{segments} checkpoint segment(s) over {n} nodes (Chen et al. 2016 greedy, budget-searched)",
-        ),
-        report=report,
-    )
+    note = f"{len(regions)} checkpoint segment(s) over {n} nodes (Chen et al. 2016 greedy, budget-searched)"
+    return solution(graph, regions, "sqrt", note=note, report=report)
 
 
 def least_peak_regions(graph: ComputeGraph) -> tuple[tuple[Region, ...], int]:

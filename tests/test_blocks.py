@@ -5,6 +5,7 @@ simulator, beat ``sqrt``, and run with equal gradients."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from ckptplan.solvers.ilp import (
     solve_hierarchical,
     solve_ilp,
 )
+from ckptplan.solvers.solution import Solution, solution
 from ckptplan.solvers.sqrt import solve_sqrt
 from ckptplan.units import parse_budget
 from tests.conftest import assert_same_gradients, load_example
@@ -94,11 +96,9 @@ def test_frontier_names_the_middle_of_the_widest_unexplored_gap(gpt) -> None:
     less, so the gap left between two frontier neighbours starts at the highest such x."""
     _, _, graph = gpt
 
-    def plan(start: int, peak: int, cost: float) -> ckptplan.Plan:  # real plans, chosen numbers
-        made = ckptplan.make_plan(graph, [ckptplan.Region(start, start + 1)])
-        prediction = made.prediction.model_copy(update={"peak_bytes": peak, "recompute_seconds": cost,
-                                                        "checkpoint_seconds": 0.0})
-        return made.model_copy(update={"prediction": prediction})
+    def plan(start: int, peak: int, cost: float) -> Solution:  # real plans, chosen numbers
+        made = solution(graph, [ckptplan.Region(start, start + 1)], "made")
+        return replace(made, report=replace(made.report, peak_bytes=peak, recompute_seconds=cost, checkpoint_seconds=0.0))
 
     frontier = blocks.Frontier()
     costly, free = plan(1, 1000, 10.0), plan(2, 2000, 0.0)
@@ -124,9 +124,9 @@ def test_block_by_block_plans_fit_and_beat_sqrt(gpt, fraction: float) -> None:
     _, _, graph = gpt
     budget = parse_budget(fraction, baseline_peak_bytes(graph))
     plan = solve_hierarchical(graph, budget, SolveContext.limited(4), warm=())
-    assert plan is not None and plan.solver.name == "ilp" and "block by block" in plan.solver.note
-    assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
-    assert plan.prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
+    assert plan is not None and plan.solver == "ilp" and "block by block" in plan.note
+    assert simulate(graph, plan).peak_bytes == plan.peak_bytes <= budget
+    assert plan.cost_seconds <= solve_sqrt(graph, budget).cost_seconds
 
 
 def test_menus_hold_attention_recomputed_alone_whatever_the_limit(gpt) -> None:
@@ -143,8 +143,8 @@ def test_menus_hold_attention_recomputed_alone_whatever_the_limit(gpt) -> None:
     assert alone.peak_bytes <= budget
     for seconds in (0.3, 4):  # menus without flat block solves, with one and with 24 refined warm plans
         plan = solve_hierarchical(graph, budget, SolveContext.limited(seconds), warm=())
-        assert plan is not None and plan.prediction.peak_bytes <= budget
-        assert plan.prediction.cost_seconds <= alone.cost_seconds * (1 + 1e-9)
+        assert plan is not None and plan.peak_bytes <= budget
+        assert plan.cost_seconds <= alone.cost_seconds * (1 + 1e-9)
 
 
 @pytest.fixture(scope="module")
@@ -198,11 +198,11 @@ def test_keep_more_keeps_outputs_where_they_fit_and_recompute_less(gpt18) -> Non
     start = solve_sqrt(graph, budget)
     refined = keep_more(graph, start, budget, SolveContext.limited(3))
     report = simulate(graph, refined)
-    assert report.peak_bytes <= budget and refined.prediction.peak_bytes == report.peak_bytes
+    assert report.peak_bytes <= budget and refined.peak_bytes == report.peak_bytes
     assert report.cost_seconds < simulate(graph, start).cost_seconds
     added = sum(len(r.keep) for r in refined.regions) - sum(len(r.keep) for r in start.regions)
     assert [(r.start, r.end) for r in refined.regions] == [(r.start, r.end) for r in start.regions]
-    assert added > 0 and refined.solver.note.endswith(f"then {added} more output(s) kept by refine.add_keeps")
+    assert added > 0 and refined.note.endswith(f"then {added} more output(s) kept by refine.add_keeps")
     assert keep_more(graph, start, budget, SolveContext.limited(0)) is start
 
 
@@ -211,9 +211,9 @@ def test_block_by_block_plan_runs_with_equal_gradients_and_measured_peak(gpt) ->
     budget = parse_budget(0.5, baseline_peak_bytes(graph))
     plan = solve_hierarchical(graph, budget, SolveContext.limited(4), warm=())
     assert len(plan.regions) >= 2
-    emitted = ckptplan.emit(graph, plan)
+    emitted = ckptplan.emit(graph, ckptplan.make_plan(graph, plan.regions))
     measured = ckptplan.measure_step(emitted, args).peak_bytes
-    assert abs(measured - plan.prediction.peak_bytes) <= 0.03 * measured
+    assert abs(measured - plan.peak_bytes) <= 0.03 * measured
     assert_same_gradients(model, emitted, args)
 
 
@@ -233,16 +233,16 @@ def test_graphs_of_blocks_get_the_proof_phase_from_the_block_by_block_plan(gpt, 
     for flat_max in (ilp.FLAT_MAX_NODES, len(graph.nodes) - 1):
         monkeypatch.setattr(ilp, "FLAT_MAX_NODES", flat_max)
         plan = ilp.solve_ilp(graph, budget, SolveContext.limited(4))
-        assert "block by block" in plan.solver.note and "proof phase on the whole graph" in plan.solver.note
-        assert plan.solver.gap is not None and 0.0 <= plan.solver.gap <= 1.0
-        assert plan.solver.status == "feasible" or plan.solver.gap == 0.0
-        assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
-        assert plan.prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
+        assert "block by block" in plan.note and "proof phase on the whole graph" in plan.note
+        assert plan.gap is not None and 0.0 <= plan.gap <= 1.0
+        assert plan.status == "feasible" or plan.gap == 0.0
+        assert simulate(graph, plan).peak_bytes == plan.peak_bytes <= budget
+        assert plan.cost_seconds <= solve_sqrt(graph, budget).cost_seconds
         if flat_max > len(graph.nodes):  # dp is a warm start on small graphs only
-            assert plan.prediction.cost_seconds <= dp_cost
+            assert plan.cost_seconds <= dp_cost
     # Large graphs keep LARGE_PROOF_SHARE of the limit for the proof phase, smaller ones PROOF_SHARE.
     short = ilp.solve_ilp(graph, budget, SolveContext.limited(3))  # 0.5 × 3 s >= 1 s
-    assert "proof phase on the whole graph" in short.solver.note
+    assert "proof phase on the whole graph" in short.note
     assert not ilp.proof_follows(graph, 1.9)  # 0.5 × 1.9 s < 1 s
     monkeypatch.setattr(ilp, "FLAT_MAX_NODES", len(graph.nodes))
     assert not ilp.proof_follows(graph, 3)  # 0.3 × 3 s < 1 s

@@ -133,14 +133,14 @@ def test_dp_never_worse_than_any_one_level_plan_or_sqrt(seed: int) -> None:
     for budget in peaks:
         best_one_level = min(r.cost_seconds for r in reports if r.peak_bytes <= budget)
         plan = solve_dp(graph, budget)
-        assert plan.solver.status == "optimal"
-        assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
-        assert plan.prediction.cost_seconds <= best_one_level
+        assert plan.status == "optimal"
+        assert simulate(graph, plan).peak_bytes == plan.peak_bytes <= budget
+        assert plan.cost_seconds <= best_one_level
         try:
             sqrt_plan = solve_sqrt(graph, budget)
         except InfeasibleBudgetError:
             continue
-        assert plan.prediction.cost_seconds <= sqrt_plan.prediction.cost_seconds
+        assert plan.cost_seconds <= sqrt_plan.cost_seconds
 
 
 def test_dp_reaches_budgets_sqrt_cannot() -> None:
@@ -150,7 +150,7 @@ def test_dp_reaches_budgets_sqrt_cannot() -> None:
         solve_sqrt(graph, 1)
     sqrt_least = info.value.min_peak_bytes
     plan = solve_dp(graph, sqrt_least - 1)
-    assert plan.prediction.peak_bytes < sqrt_least
+    assert plan.peak_bytes < sqrt_least
 
 
 def test_infeasible_budget_names_the_least_peak_and_it_is_reachable() -> None:
@@ -158,7 +158,7 @@ def test_infeasible_budget_names_the_least_peak_and_it_is_reachable() -> None:
     with pytest.raises(InfeasibleBudgetError) as info:
         solve_dp(graph, 1)
     least = info.value.min_peak_bytes
-    assert solve_dp(graph, least).prediction.peak_bytes <= least
+    assert solve_dp(graph, least).peak_bytes <= least
     with pytest.raises(InfeasibleBudgetError):
         solve_dp(graph, least - 1)
 
@@ -188,8 +188,8 @@ def test_coarse_memory_units_stay_within_budget() -> None:
     fine_unit = 4096
     coarse = solve_dp(graph, budget, mem_unit=64 * fine_unit)
     fine = solve_dp(graph, budget, mem_unit=fine_unit)
-    assert coarse.prediction.peak_bytes <= budget and fine.prediction.peak_bytes <= budget
-    assert fine.prediction.cost_seconds <= coarse.prediction.cost_seconds
+    assert coarse.peak_bytes <= budget and fine.peak_bytes <= budget
+    assert fine.cost_seconds <= coarse.cost_seconds
     cost, _ = solve_chain(build_chain(graph), graph.static.resident_bytes, mem_unit=1)
     assert cost == INF
 

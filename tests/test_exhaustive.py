@@ -21,7 +21,7 @@ import pytest
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region
-from ckptplan.simulation import simulate
+from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers.auto import solve_auto
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.dp import solve_dp
@@ -66,9 +66,9 @@ class Space:
 def _budgets(graph: ComputeGraph, space: Space, count: int = 5) -> list[int]:
     """``count`` budgets spread over the distinct peaks of ``space`` below the unplanned peak,
     its least peak first, and the unplanned peak."""
-    peaks = sorted({peak for peak, _ in space.scored if peak < graph.baseline_peak_bytes})
+    peaks = sorted({peak for peak, _ in space.scored if peak < baseline_peak_bytes(graph)})
     picked = sorted({peaks[k * (len(peaks) - 1) // (count - 1)] for k in range(count)} if peaks else set())
-    return [*picked, graph.baseline_peak_bytes]
+    return [*picked, baseline_peak_bytes(graph)]
 
 
 def _check(graph: ComputeGraph, spaces: dict[str, Space], claims: dict[str, str], budgets: list[int]) -> dict:
@@ -80,20 +80,20 @@ def _check(graph: ComputeGraph, spaces: dict[str, Space], claims: dict[str, str]
             try:
                 plan = solver(graph, budget)
             except InfeasibleBudgetError as error:  # only a budget below the solver's reach may refuse
-                assert error.min_peak_bytes > budget and budget < graph.baseline_peak_bytes, (name, budget)
+                assert error.min_peak_bytes > budget and budget < baseline_peak_bytes(graph), (name, budget)
                 continue
             report = simulate(graph, plan)
-            assert report.peak_bytes == plan.prediction.peak_bytes <= budget, (name, budget)
-            assert plan.prediction.cost_seconds == pytest.approx(report.cost_seconds, rel=1e-12), (name, budget)
+            assert report.peak_bytes == plan.peak_bytes <= budget, (name, budget)
+            assert plan.cost_seconds == pytest.approx(report.cost_seconds, rel=1e-12), (name, budget)
             for space in spaces.values():
                 if space.holds(plan.regions):
                     least = space.least_cost(budget)
-                    assert least is not None and plan.prediction.cost_seconds >= least * (1 - 1e-12), (name, budget)
-            claimed = claims.get(plan.solver.name)
-            if plan.solver.status == "optimal" and claimed is not None:
+                    assert least is not None and plan.cost_seconds >= least * (1 - 1e-12), (name, budget)
+            claimed = claims.get(plan.solver)
+            if plan.status == "optimal" and claimed is not None:
                 least = spaces[claimed].least_cost(budget)
-                assert plan.prediction.cost_seconds == pytest.approx(least, rel=1e-12, abs=1e-15), (name, budget)
-                checked[plan.solver.name] += 1
+                assert plan.cost_seconds == pytest.approx(least, rel=1e-12, abs=1e-15), (name, budget)
+                checked[plan.solver] += 1
     return checked
 
 
@@ -151,5 +151,5 @@ def test_unet_of_twelve_nodes_against_every_region_set() -> None:
     for budget in _budgets(graph, region_sets):
         _check(graph, {"region_sets": region_sets}, {}, [budget])
         plan = SOLVERS["ilp"](graph, budget)
-        if plan.solver.status == "optimal":
-            assert plan.prediction.cost_seconds <= region_sets.least_cost(budget) * (1 + 1e-12), budget
+        if plan.status == "optimal":
+            assert plan.cost_seconds <= region_sets.least_cost(budget) * (1 + 1e-12), budget

@@ -243,9 +243,9 @@ def _check_against(graph: ComputeGraph, plans) -> None:
     for budget in peaks:
         best = min(r.cost_seconds for r in reports if r.peak_bytes <= budget)
         plan = solve_ilp(graph, budget, warm=[])
-        assert plan.solver.status == "optimal", budget
-        assert simulate(graph, plan).peak_bytes == plan.prediction.peak_bytes <= budget
-        assert plan.prediction.cost_seconds <= best, budget
+        assert plan.status == "optimal", budget
+        assert simulate(graph, plan).peak_bytes == plan.peak_bytes <= budget
+        assert plan.cost_seconds <= best, budget
     with pytest.raises(InfeasibleBudgetError) as info:
         solve_ilp(graph, peaks[0] - 1, warm=[])
     assert info.value.min_peak_bytes <= peaks[0]
@@ -293,18 +293,18 @@ def test_ilp_is_no_dearer_than_one_level_dp_and_sqrt_on_chains(seed: int) -> Non
     for k in range(6):
         budget = lowest + (baseline_peak_bytes(graph) - lowest) * k // 6
         ilp = solve_ilp(graph, budget, warm=[])
-        assert ilp.solver.status == "optimal" and ilp.prediction.peak_bytes <= budget
+        assert ilp.status == "optimal" and ilp.peak_bytes <= budget
         if budget >= least["dp"]:
             dp = solve_dp(graph, budget, mem_unit=1)
             if all(not r.children for r in dp.regions):
-                assert ilp.prediction.cost_seconds <= dp.prediction.cost_seconds
+                assert ilp.cost_seconds <= dp.cost_seconds
                 compared["dp"] += 1
             if not any(r.keep for r in ilp.regions):
-                assert dp.solver.status == "optimal"
-                assert dp.prediction.cost_seconds <= ilp.prediction.cost_seconds
+                assert dp.status == "optimal"
+                assert dp.cost_seconds <= ilp.cost_seconds
                 compared["exact dp"] += 1
         if budget >= least["sqrt"]:
-            assert ilp.prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
+            assert ilp.cost_seconds <= solve_sqrt(graph, budget).cost_seconds
             compared["sqrt"] += 1
     assert all(compared.values()), compared
 
@@ -314,9 +314,9 @@ def test_warm_start_is_never_beaten_by_a_stopped_search() -> None:
     budget = int(0.8 * baseline_peak_bytes(graph))
     sqrt_plan = solve_sqrt(graph, budget)
     plan = solve_ilp(graph, budget, SolveContext.limited(0.0), warm=[sqrt_plan])
-    assert plan.solver.name == "ilp"
-    assert plan.prediction.cost_seconds <= sqrt_plan.prediction.cost_seconds
-    assert plan.prediction.peak_bytes <= budget
+    assert plan.solver == "ilp"
+    assert plan.cost_seconds <= sqrt_plan.cost_seconds
+    assert plan.peak_bytes <= budget
 
 
 def test_a_limit_too_short_to_build_the_model_returns_the_refined_warm_plan() -> None:
@@ -328,10 +328,10 @@ def test_a_limit_too_short_to_build_the_model_returns_the_refined_warm_plan() ->
     budget = int(0.6 * baseline_peak_bytes(graph))
     assert 2 * ilp.BUILD_SECONDS_PER_PAIR * 200 * 128 > 1.0  # the model would take longer than the limit
     plans = [solve_ilp(graph, budget, SolveContext.limited(1.0)) for _ in range(2)]
-    assert "no CP-SAT search" in plans[0].solver.note
+    assert "no CP-SAT search" in plans[0].note
     assert plans[0].regions == plans[1].regions
     assert simulate(graph, plans[0]).peak_bytes <= budget
-    assert plans[0].prediction.cost_seconds <= solve_sqrt(graph, budget).prediction.cost_seconds
+    assert plans[0].cost_seconds <= solve_sqrt(graph, budget).cost_seconds
 
 
 def _slow_to_prove(n: int = 30) -> cp_model.CpModel:
@@ -397,13 +397,13 @@ def test_ctrl_c_before_the_search_returns_the_cheapest_plan_made_so_far(monkeypa
     graph = skip_graph()
     budget = (baseline_peak_bytes(graph) * 9) // 10
     warm = ilp.warm_plans(graph, budget, SolveContext.limited(5.0))
-    cheapest = min(warm, key=lambda p: p.prediction.cost_seconds)
+    cheapest = min(warm, key=lambda p: p.cost_seconds)
     assert cheapest.regions != solve_sqrt(graph, budget).regions  # so that the two cases below differ
     monkeypatch.setattr(ilp, "starting_plan", _interrupt)  # after the warm plans are made
     ctx = SolveContext.limited(5)
     plan = solve_ilp(graph, budget, ctx)
-    assert plan.regions == cheapest.regions and plan.solver.status == "timeout"
-    assert plan.solver.note.startswith("stopped by Ctrl-C") and ctx.cancelled
+    assert plan.regions == cheapest.regions and plan.status == "timeout"
+    assert plan.note.startswith("stopped by Ctrl-C") and ctx.cancelled
     monkeypatch.undo()  # refinement runs again: the cases below must end without it
 
     def absorbed(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext, **kwargs: object) -> None:
@@ -411,10 +411,10 @@ def test_ctrl_c_before_the_search_returns_the_cheapest_plan_made_so_far(monkeypa
 
     monkeypatch.setattr(ilp, "solve_hierarchical", absorbed)  # the phases after it are skipped
     plan = solve_ilp(graph, budget, SolveContext.limited(5))
-    assert plan.regions == solve_sqrt(graph, budget).regions and plan.solver.note.startswith("stopped by Ctrl-C")
+    assert plan.regions == solve_sqrt(graph, budget).regions and plan.note.startswith("stopped by Ctrl-C")
     monkeypatch.setattr(ilp, "solve_hierarchical", _interrupt)  # before any plan is made
     plan = solve_ilp(graph, budget, SolveContext.limited(5))
-    assert plan.regions == solve_sqrt(graph, budget).regions and plan.solver.status == "timeout"
+    assert plan.regions == solve_sqrt(graph, budget).regions and plan.status == "timeout"
     assert simulate(graph, plan).peak_bytes <= budget
     with pytest.raises(KeyboardInterrupt):
         solve_ilp(graph, least_peak_regions(graph)[1] - 1, SolveContext.limited(5))

@@ -92,7 +92,7 @@ def test_the_ilp_search_starts_from_the_refined_warm_plan() -> None:
     budget = int(0.8 * baseline_peak_bytes(graph))
     sqrt_plan = solve_sqrt(graph, budget)
     refined = simulate(graph, add_keeps(graph, sqrt_plan.regions, budget))
-    assert refined.cost_seconds < sqrt_plan.prediction.cost_seconds  # the move matters here
+    assert refined.cost_seconds < sqrt_plan.cost_seconds  # the move matters here
     plan = solve_ilp(graph, budget, SolveContext.limited(0.0), warm=[sqrt_plan])
-    assert plan.prediction.peak_bytes <= budget
-    assert plan.prediction.cost_seconds <= refined.cost_seconds
+    assert plan.peak_bytes <= budget
+    assert plan.cost_seconds <= refined.cost_seconds

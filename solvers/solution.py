@@ -1,0 +1,81 @@
+"""What a solver kernel returns: the regions it chose (and the nodes it rematerialises), the
+simulator's report of them, and where they came from. ``solvers.orchestrate`` turns the one a
+solve ends with into a ``Plan``; kernels never build plans, read clocks for them, or format
+budgets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from ckptplan.graph import ComputeGraph
+from ckptplan.region import Region
+from ckptplan.remat import indices
+from ckptplan.simulation import Report, simulate
+
+Status = Literal["optimal", "feasible", "infeasible", "timeout"]  # ``plan.SolverStatus``
+
+
+@dataclass(frozen=True)
+class Solution:
+    """``regions`` and ``remat`` (node names, ``ckptplan.remat``) for one graph, with ``report``,
+    what ``simulate`` says of them there. ``solver``: the kernel that made them; ``status``,
+    ``gap`` and ``note`` as a plan's ``SolverInfo`` records them; ``origin``: the phase or warm
+    start that made the regions, when that is not ``solver`` itself."""
+
+    regions: tuple[Region, ...]
+    report: Report
+    solver: str
+    status: Status = "feasible"
+    note: str = ""
+    gap: float | None = None
+    origin: str | None = None
+    remat: tuple[str, ...] = ()
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.report.peak_bytes
+
+    @property
+    def cost_seconds(self) -> float:
+        """What the plan adds to a step, the quantity solvers minimise."""
+        return self.report.cost_seconds
+
+    def but(self, **changes: object) -> Solution:
+        """This solution with ``changes`` to its provenance (``status``, ``note``, ...)."""
+        return replace(self, **changes)
+
+
+def solution(
+    graph: ComputeGraph,
+    regions: Sequence[Region],
+    solver: str,
+    *,
+    status: Status = "feasible",
+    note: str = "",
+    gap: float | None = None,
+    origin: str | None = None,
+    remat: Sequence[str] = (),
+    report: Report | None = None,
+) -> Solution:
+    """A ``Solution`` of ``regions`` on ``graph``, simulated unless ``report`` (of the same
+    regions and remat) is given. ``remat`` names nodes; it is kept in execution order."""
+    names = tuple(graph.nodes[i].name for i in indices(graph, remat)) if remat else ()
+    regions = tuple(regions)
+    return Solution(
+        regions=regions,
+        report=report if report is not None else simulate(graph, regions, remat=names),
+        solver=solver, status=status, note=note, gap=gap, origin=origin, remat=names,
+    )
+
+
+def as_solution(graph: ComputeGraph, found: object) -> Solution:
+    """A kernel's answer as a ``Solution``: a solver a user ``register``s may return a ``Plan``
+    (anything with ``regions``, ``remat`` and a ``solver`` record), which is read and simulated."""
+    if isinstance(found, Solution):
+        return found
+    info = found.solver
+    return solution(graph, found.regions, info.name, status=info.status, note=info.note, gap=info.gap,
+                    origin=info.origin, remat=found.remat)
