@@ -157,20 +157,27 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+VERBOSE_HELP = "Log progress to stderr; solve and show also print the solver's details (status, gap, model size), the regions by node index and bytes by module."
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help=VERBOSE_HELP)]
+
+
 @app.callback()
 def configure(
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress to stderr.")] = False,
+    ctx: typer.Context,
+    verbose: VerboseOpt = False,
     version: Annotated[
         bool, typer.Option("--version", help="Print the version and exit.", is_eager=True, callback=_print_version)
     ] = False,
 ) -> None:
     """Plan activation checkpointing for a PyTorch training step within a memory budget."""
+    ctx.obj = {"verbose": verbose}
     _configure_logging(verbose)
 
 
 @app.command()
 @exits_on_error
 def solve(
+    ctx: typer.Context,
     model: ModelArg,
     budget: Annotated[
         str,
@@ -196,8 +203,13 @@ def solve(
         float | None,
         typer.Option(min=0.0, metavar="SECONDS", help="Stop the solver after this long.", show_default=False),
     ] = None,
+    verbose: VerboseOpt = False,
 ) -> None:
-    """Find which activations to keep and which to recompute so one step fits BUDGET."""
+    """Find which activations to keep and which to recompute so one step fits BUDGET.
+
+    Prints the predicted peak against the budget, the step-time overhead and what prices it, and
+    what is recomputed, by module; -v adds the solver's details."""
+    verbose = _verbose(ctx, verbose)
     # Cheap checks first: a typo should not cost a minutes-long profile.
     get_solver(solver)
     check_budget(budget)
@@ -217,7 +229,7 @@ def solve(
         _write_stdout(plan.to_json())
         return
     console = stderr_console()
-    render_plan(console, plan)
+    render_plan(console, plan, costs=costs.value, verbose=verbose)
     if out is not None:
         console.print(f"Wrote the plan to {out}", markup=False, soft_wrap=True)
 
@@ -253,13 +265,16 @@ def profile(
 @app.command()
 @exits_on_error
 def show(
+    ctx: typer.Context,
     plan_file: Annotated[Path, typer.Argument(metavar="PLAN.json", help="A plan written by 'ckptplan solve --out'.")],
     json_output: Annotated[bool, typer.Option("--json", help="Print the validated plan JSON on stdout.")] = False,
     plot: Annotated[
         Path | None, typer.Option(help="Draw the predicted memory timeline as a PNG here.", show_default=False)
     ] = None,
+    verbose: VerboseOpt = False,
 ) -> None:
-    """Summarise a saved plan: prediction, memory timeline, regions, and modules."""
+    """Summarise a saved plan: predicted peak, overhead, memory timeline, what is recomputed by module."""
+    verbose = _verbose(ctx, verbose)
     if plot is not None:
         check_plotting()
         check_plan_target(plot, overwrite=True)
@@ -269,7 +284,7 @@ def show(
     if json_output:
         _write_stdout(plan.to_json())
         return
-    render_plan(stderr_console(), plan)
+    render_plan(stderr_console(), plan, verbose=verbose)
     if plot is not None:
         stderr_console().print(f"Wrote the plot to {plot}", markup=False, soft_wrap=True)
 
@@ -279,11 +294,14 @@ def show(
 def verify(
     model: ModelArg,
     plan_file: Annotated[Path, typer.Option("--plan", metavar="PLAN.json", help="The plan to check.")],
-    steps: Annotated[int, typer.Option(min=1, help="Training steps to time each module over.")] = 3,
+    steps: Annotated[
+        int, typer.Option(min=1, help="Training steps to time each module over, in pairs; the spread of the pairs' overheads is reported.")
+    ] = 5,
     device: Annotated[Device, typer.Option(help="Where to run the steps.")] = Device.cpu,
     json_output: JsonOpt = False,
 ) -> None:
-    """Run real steps with and without PLAN.json: measured vs predicted peak, gradients, step time.
+    """Run real steps with and without PLAN.json: measured vs predicted peak, gradients, step time
+    (median overhead, with the least and most of its paired steps).
 
     Exits 1 when the measured peak is over the plan's budget or the gradients differ."""
     plan = load_plan(plan_file)
@@ -348,6 +366,13 @@ def sweep(
 def schema() -> None:
     """Print the JSON Schema of plan files."""
     _write_stdout(json.dumps(plan_json_schema(), indent=2) + "\n")
+
+
+def _verbose(ctx: typer.Context, verbose: bool) -> bool:
+    """``-v`` given before the command or after it; after it, it also logs progress."""
+    if verbose:
+        _configure_logging(True)
+    return verbose or bool((ctx.obj or {}).get("verbose"))
 
 
 def _configure_logging(verbose: bool) -> None:

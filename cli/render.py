@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptplan.cli.summary import GroupRow, ProfileSummary
-from ckptplan.plan import Plan
+from ckptplan.cli.summary import GroupRow, ProfileSummary, RecomputeRow, recomputed_by_module
+from ckptplan.plan import Plan, SolverInfo
 from ckptplan.planner.sweep import SweepPoint
 from ckptplan.planner.verify import Verification
 from ckptplan.timeline import Timeline, max_pool
@@ -31,39 +31,119 @@ def render_error(console: Console, message: str) -> None:
     console.print(line, soft_wrap=True)
 
 
-def render_plan(console: Console, plan: Plan) -> None:
-    """Model, budget, solver, prediction and (when the plan has one) its memory timeline, then
-    one row per top-level region and one per module."""
+def render_plan(console: Console, plan: Plan, *, costs: str | None = None, verbose: bool = False) -> None:
+    """What a PyTorch user asks of a plan: the budget, the predicted peak against it and against
+    no checkpointing, the step-time overhead and what prices it, the memory timeline (when the
+    plan has one), and what is recomputed, by module path. ``costs``: the ``--costs`` the graph
+    was priced with (``"a100"``, ``"here"``, ``"flops"``); None for a saved plan, whose
+    prediction tells it (``pricing``). ``verbose`` adds the solver's internals (status, gap and
+    note), the fingerprint, exact bytes, the regions by node index and the per-module counts."""
     prediction = plan.prediction
     solver = plan.solver
-    gap = "" if solver.gap is None else f", gap {solver.gap:.2%}"
+    model = f"{plan.model.name} ({plan.model.node_count} nodes, fingerprint {plan.model.fingerprint})" if verbose \
+        else f"{plan.model.name} ({plan.model.node_count} ops)"
+    size = describe_bytes if verbose else format_bytes
     rows = [
-        ("model", f"{plan.model.name} ({plan.model.node_count} nodes, fingerprint {plan.model.fingerprint})"),
+        ("model", model),
         *_step_rows(plan.model.autocast, plan.model.target),
-        ("budget", f"{plan.budget.requested} = {describe_bytes(plan.budget.bytes)}" + _per_rank(plan)),
-        ("solver", f"{solver.name}: {solver.status} in {solver.seconds:.2f} s{gap}"),
+        ("budget", f"{plan.budget.requested} = {size(plan.budget.bytes)}" + _per_rank(plan)),
+        ("peak", _peak_line(prediction.peak_bytes, prediction.baseline_peak_bytes, plan.budget.bytes)),
+        ("overhead", _overhead_line(plan)),
     ]
-    if solver.note:
-        rows.append(("", solver.note))
-    rows.append(("peak", _peak_line(prediction.peak_bytes, prediction.baseline_peak_bytes)))
-    rows.append(
-        ("recompute", f"{format_flops(prediction.recompute_flops)}, overhead {prediction.overhead:.1%} of "
-                      + ("the step's FLOPs" if prediction.priced_in == "flops" else "a step"))
-    )
+    basis = pricing(plan, costs)
+    if basis:
+        rows.append(("", basis))
+    if verbose:
+        gap = "" if solver.gap is None else f", gap {solver.gap:.2%}"
+        rows.append(("solver", f"{solver.name}: {solver.status} in {solver.seconds:.2f} s{gap}"))
+        if solver.note:
+            rows.append(("", solver.note))
+    else:
+        rows.append(("solver", _solver_line(solver)))
     timeline = prediction.timeline
     if timeline is not None and timeline.bytes:
         label_width = max(len(label) for label, _ in rows) + FACTS_PADDING
         width = max(min(SPARKLINE_MAX_WIDTH, console.width) - label_width, SPARKLINE_MIN_WIDTH)
         rows.append(("memory", sparkline(timeline, width)))
-        rows.append(("", _sparkline_scale(timeline, plan.budget.bytes)))
+        rows.append(("", _sparkline_scale(timeline)))
     if plan.remat:
-        shown = ", ".join(plan.remat[:REMAT_SHOWN]) + (", …" if len(plan.remat) > REMAT_SHOWN else "")
         count = f"{len(plan.remat)} op" + ("s" if len(plan.remat) > 1 else "")
-        rows.append(("remat", f"{count} recomputed in the backward of each op that saved the output: {shown}"))
+        line = f"{count} recomputed without a region, in each backward that needs it"
+        if verbose:
+            shown = ", ".join(plan.remat[:REMAT_SHOWN]) + (", …" if len(plan.remat) > REMAT_SHOWN else "")
+            line += f": {shown}"
+        rows.append(("remat", line))
     console.print(_facts(rows))
-    console.print(_regions_table(plan))
-    if (plan.regions or plan.remat) and plan.nodes:
+    recomputed = recomputed_by_module(plan)
+    if recomputed:
+        console.print(_recomputed_table(plan, recomputed))
+    if verbose or not recomputed:
+        console.print(_regions_table(plan))
+    if verbose and recomputed:
         console.print(_modules_table(plan))
+    elif recomputed:
+        console.print(Text("(-v: solver details, regions by node index, bytes by module)", style="dim"))
+
+
+def pricing(plan: Plan, costs: str | None) -> str:
+    """What the overhead is priced on, in words, with the option that changes it: ``costs`` as
+    given to ``solve``, or, for a saved plan (None), as its prediction tells: priced in FLOPs;
+    with a cost for checkpointing's own machinery, which only times measured on a machine have;
+    otherwise the default, an A100's datasheet. Empty when nothing is recomputed."""
+    if not plan.regions and not plan.remat:
+        return ""
+    if costs is None:
+        if plan.prediction.priced_in == "flops":
+            costs = "flops"
+        elif plan.prediction.checkpoint_seconds > 0:
+            return "timed on the machine that solved it (--costs here)"
+        else:
+            costs = "a100"
+    return {
+        "a100": "priced on an A100 datasheet roofline; --costs here times this machine",
+        "here": "timed on this machine (--costs here)",
+        "flops": "priced in recomputed FLOPs alone (--costs flops)",
+    }[costs]
+
+
+def _solver_line(solver: SolverInfo) -> str:
+    if solver.name == "manual":
+        return "none: a hand-made plan"
+    verdict = {
+        "optimal": "optimal",
+        "timeout": "stopped at its time limit, not proven optimal",
+    }.get(solver.status, "not proven optimal")
+    return f"{solver.name} in {solver.seconds:.1f} s: {verdict}"
+
+
+def _overhead_line(plan: Plan) -> str:
+    prediction = plan.prediction
+    if not plan.regions and not plan.remat:
+        return "none: nothing is recomputed"
+    recomputed = f"{format_flops(prediction.recompute_flops)} recomputed"
+    if prediction.priced_in == "flops":
+        return f"{prediction.overhead:+.1%} of the step's FLOPs ({recomputed})"
+    return f"{prediction.overhead:+.1%} step time ({recomputed})"
+
+
+def _recomputed_table(plan: Plan, rows: Sequence[RecomputeRow]) -> Table:
+    """What is recomputed in backward, one row per module path (``recomputed_by_module``)."""
+    regions = sum(row.count for row in rows if row.how == "checkpoint")
+    title = "recomputed in backward"
+    if regions:
+        title += f" ({regions} checkpoint region" + ("s" if regions > 1 else "") + ")"
+    table = Table(title=title, title_justify="left")
+    table.add_column("module", overflow="fold")
+    table.add_column("recomputed")
+    table.add_column("kept in memory")
+    if plan.remat:
+        table.add_column("how")
+    for row in rows:
+        cells = [Text(row.module), Text(row.recomputed), Text(row.kept)]
+        if plan.remat:
+            cells.append(Text("region" if row.how == "checkpoint" else "remat"))
+        table.add_row(*cells)
+    return table
 
 
 def _step_rows(autocast: str | None, target: str | None) -> list[tuple[str, str]]:
@@ -116,13 +196,9 @@ def _block(value_bytes: int, low_bytes: int, high_bytes: int) -> str:
     return SPARKLINE_BLOCKS[(2 * (value_bytes - low_bytes) * top + span) // (2 * span)]
 
 
-def _sparkline_scale(timeline: Timeline, budget_bytes: int) -> str:
-    """What the sparkline's lowest and highest blocks stand for, and the peak against the budget."""
-    peak_bytes = timeline.peak_bytes
-    line = f"▁ {format_bytes(min(timeline.bytes))} to █ {format_bytes(peak_bytes)} peak"
-    if budget_bytes > 0:
-        line += f", {peak_bytes / budget_bytes:.0%} of the {format_bytes(budget_bytes)} budget"
-    return line
+def _sparkline_scale(timeline: Timeline) -> str:
+    """What the sparkline's lowest and highest blocks stand for."""
+    return f"▁ {format_bytes(min(timeline.bytes))} to █ {format_bytes(timeline.peak_bytes)} peak"
 
 
 MODULE_DEPTH = 2  # group "blocks.3.attn.proj" under "blocks.3"
@@ -132,8 +208,8 @@ REMAT_SHOWN = 6  # rematerialised node names listed in the facts before "…"
 def _modules_table(plan: Plan) -> Table:
     """Per module (paths cut to ``MODULE_DEPTH`` parts), in execution order: how many of its ops
     are stored, recomputed or kept (and rematerialised, when the plan does that), the bytes they
-    would save for backward, and the bytes of their outputs that checkpoint regions store as
-    inputs."""
+    would save for backward without checkpointing, and the bytes of their outputs that checkpoint
+    regions hold as inputs until their backward."""
     rows: dict[str, dict[str, int]] = {}
     for node in plan.nodes:
         module = ".".join(node.module.split(".")[:MODULE_DEPTH]) or "(top level)"
@@ -145,9 +221,13 @@ def _modules_table(plan: Plan) -> Table:
         row["region_input"] += node.region_input_bytes
     counts = ["store", "recompute", "keep", *(["remat"] if plan.remat else [])]
     headers = {"store": "stored", "recompute": "recomputed", "keep": "kept", "remat": "remat"}
-    table = Table(title="by module", title_justify="left")
+    table = Table(
+        title="ops by module", title_justify="left", caption_justify="left",
+        caption="saved: bytes its ops keep for backward without checkpointing; "
+                "region inputs: bytes of its outputs held as a checkpoint region's inputs",
+    )
     table.add_column("module", overflow="fold")
-    for header in (*(headers[c] for c in counts), "saved bytes", "region inputs"):
+    for header in (*(headers[c] for c in counts), "saved", "region inputs"):
         table.add_column(header, justify="right")
     for module, row in rows.items():
         table.add_row(Text(module), *(str(row[c]) for c in counts),
@@ -175,11 +255,11 @@ def _per_rank(plan: Plan) -> str:
     return f" per rank (ZeRO-{sharding.stage} over {sharding.degree} ranks{master}, {len(sharding.units)} units)"
 
 
-def _peak_line(peak_bytes: int, baseline_peak_bytes: int) -> str:
-    line = f"{format_bytes(peak_bytes)} predicted vs {format_bytes(baseline_peak_bytes)} without checkpointing"
-    if baseline_peak_bytes > 0:
-        line += f" ({peak_bytes / baseline_peak_bytes:.0%})"
-    return line
+def _peak_line(peak_bytes: int, baseline_peak_bytes: int, budget_bytes: int) -> str:
+    line = f"{format_bytes(peak_bytes)} predicted"
+    if budget_bytes > 0:
+        line += f" ({peak_bytes / budget_bytes:.0%} of budget)"
+    return line + f", {format_bytes(baseline_peak_bytes)} without checkpointing"
 
 
 def _regions_table(plan: Plan) -> Table | Text:
@@ -251,7 +331,8 @@ def _group_table(title: str, key_header: str, rows: Sequence[GroupRow]) -> Table
 
 
 def render_verification(console: Console, result: Verification) -> None:
-    """Predicted against measured peak, the gradient check and the step-time overhead."""
+    """Predicted against measured peak, the gradient check and the step-time overhead with its
+    spread over the timed steps."""
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
@@ -266,12 +347,26 @@ def render_verification(console: Console, result: Verification) -> None:
     table.add_row("original", f"{describe_bytes(result.original_peak_bytes)} without the plan")
     grads = "equal" if result.gradients_equal else f"DIFFER (max abs error {result.max_grad_error:.3g})"
     table.add_row("gradients", grads)
+    table.add_row("step time", _overhead_spread(result))
     table.add_row(
-        "step time",
-        f"{result.emitted_step_seconds * 1e3:.1f} ms vs {result.original_step_seconds * 1e3:.1f} ms "
-        f"({result.step_overhead:+.1%})",
+        "", f"{result.emitted_step_seconds * 1e3:.1f} ms vs {result.original_step_seconds * 1e3:.1f} ms "
+            "median, with and without the plan",
     )
     console.print(table)
+
+
+def _overhead_spread(result: Verification) -> str:
+    """``+9.1% (+4.0% to +12.5% over 5 steps)``: the medians' overhead, and the least and most
+    overhead of one step over its paired original step; "within noise" when that range reaches
+    both sides of 0."""
+    line = f"{result.step_overhead:+.1%}"
+    spread = result.step_overhead_range
+    steps = len(result.emitted_step_times)
+    if spread is None or steps < 2:
+        return line + " (1 step: no spread)" if steps == 1 else line
+    low, high = spread
+    line += f" ({low:+.1%} to {high:+.1%} over {steps} steps)"
+    return line + ", within noise" if low < 0 < high else line
 
 
 def render_sweep(console: Console, baseline_peak_bytes: int, points: Sequence[SweepPoint]) -> None:

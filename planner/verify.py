@@ -22,7 +22,10 @@ from ckptplan.profiler.loss import training_loss
 @dataclass(frozen=True)
 class Verification:
     """``within_budget``: the emitted module's measured peak is at most the plan's budget.
-    ``max_grad_error``: largest absolute difference between the two modules' gradients."""
+    ``max_grad_error``: largest absolute difference between the two modules' gradients.
+    ``original_step_seconds`` / ``emitted_step_seconds``: the medians of the timed steps, which
+    ``original_step_times`` / ``emitted_step_times`` hold in the order they ran (step ``i`` of
+    each one after the other, so both see the same state of the machine)."""
 
     device: str
     budget_bytes: int
@@ -33,6 +36,8 @@ class Verification:
     max_grad_error: float
     original_step_seconds: float
     emitted_step_seconds: float
+    original_step_times: tuple[float, ...] = ()
+    emitted_step_times: tuple[float, ...] = ()
 
     @property
     def within_budget(self) -> bool:
@@ -44,14 +49,25 @@ class Verification:
 
     @property
     def step_overhead(self) -> float:
+        """The emitted module's median step time over the original's, less 1."""
         return self.emitted_step_seconds / self.original_step_seconds - 1.0
 
+    @property
+    def step_overhead_range(self) -> tuple[float, float] | None:
+        """The least and the most overhead of one step over its paired original step: how far
+        the timing noise reaches (``step_overhead`` lies between them). None without timed
+        steps."""
+        pairs = [e / o - 1.0 for o, e in zip(self.original_step_times, self.emitted_step_times, strict=True) if o > 0]
+        return (min(pairs), max(pairs)) if pairs else None
+
     def to_dict(self) -> dict[str, Any]:
+        spread = self.step_overhead_range
         return {
             **asdict(self),
             "within_budget": self.within_budget,
             "prediction_error": self.prediction_error,
             "step_overhead": self.step_overhead,
+            "step_overhead_range": list(spread) if spread is not None else None,
         }
 
 
@@ -61,12 +77,14 @@ def verify(
     plan: Plan,
     kwargs: dict[str, Any] | None = None,
     *,
-    steps: int = 3,
+    steps: int = 5,
     device: str = "cpu",
 ) -> Verification:
     """Apply ``plan`` to ``model`` and measure it: the step's peak as the allocator counts it
     (``measure_step``: the CPU profiler's memory events, or ``torch.cuda.max_memory_allocated``
-    above what was allocated before the step), with the module's state and inputs.
+    above what was allocated before the step), with the module's state and inputs; and
+    ``steps`` training steps of each module, timed in pairs (original, then emitted), after the
+    steps that measured gradients and peaks have warmed both up.
 
     Each step is the step the plan was made for: with ``plan.model.autocast``, forward and loss
     run under ``torch.autocast`` with that dtype on the model's device and backward outside it."""
@@ -92,6 +110,7 @@ def verify(
     grads_equal, error = _compare_gradients(reference, emitted, model, step)
     measured = _peak(emitted, step)
     original = _peak(reference, step)
+    original_times, emitted_times = _paired_step_times(reference, emitted, step, steps, device)
     return Verification(
         device=device,
         budget_bytes=plan.budget.bytes,
@@ -100,8 +119,10 @@ def verify(
         original_peak_bytes=original,
         gradients_equal=grads_equal,
         max_grad_error=error,
-        original_step_seconds=_median_step_seconds(reference, step, steps, device),
-        emitted_step_seconds=_median_step_seconds(emitted, step, steps, device),
+        original_step_seconds=statistics.median(original_times),
+        emitted_step_seconds=statistics.median(emitted_times),
+        original_step_times=original_times,
+        emitted_step_times=emitted_times,
     )
 
 
@@ -150,14 +171,23 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _median_step_seconds(module: nn.Module, step: _Step, steps: int, device: str) -> float:
-    times = []
+def _paired_step_times(
+    reference: nn.Module, emitted: nn.Module, step: _Step, steps: int, device: str
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Seconds of ``steps`` steps of each module, one of each in turn, so that a slower or
+    faster stretch of the machine weighs on both alike."""
+    original, planned = [], []
     for _ in range(steps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        step.run(module)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        original.append(_step_seconds(reference, step, device))
+        planned.append(_step_seconds(emitted, step, device))
+    return tuple(original), tuple(planned)
+
+
+def _step_seconds(module: nn.Module, step: _Step, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    step.run(module)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started

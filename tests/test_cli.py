@@ -23,6 +23,7 @@ from typer.testing import CliRunner, Result
 import ckptplan
 from ckptplan.cli.loader import load_model, parse_spec
 from ckptplan.cli.main import app
+from ckptplan.cli.summary import recomputed_by_module
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -69,6 +70,16 @@ def build():
 """
 
 runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """``-v`` configures the process's logging; undo it for the other tests."""
+    logger = logging.getLogger("ckptplan")
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
 
 
 def invoke(*args: object) -> Result:
@@ -118,12 +129,30 @@ def test_solve_json_is_the_only_stdout(tiny: Path) -> None:
 
 
 def test_solve_prints_summary_on_stderr(tiny: Path) -> None:
+    """By default: the budget, the peak against it and against no checkpointing, the overhead
+    and the cost model pricing it, and what is recomputed by module and op; the solver's
+    status and note, the regions' node indices and bytes per module with ``-v``."""
     result = invoke("solve", tiny, "--budget", "0.9", "--optimizer", "adamw", "--time-limit", "5")
     assert result.exit_code == 0, result.output
     assert result.stdout == ""
-    for expected in ("Sequential", "8 nodes", "0.9 =", "without checkpointing", "overhead", "linear"):
-        assert expected in result.stderr
-    assert "optimal" in result.stderr or "feasible" in result.stderr
+    for expected in ("Sequential", "8 ops", "0.9 =", "without checkpointing", "of budget", "step time",
+                     "priced on an A100 datasheet", "recomputed in backward", "module", "linear"):
+        assert expected in result.stderr, expected
+    assert all(len(line) <= 80 for line in result.stderr.splitlines())
+    for internal in ("auto chose", "gap", "fingerprint", "first node"):
+        assert internal not in result.stderr, internal
+    verbose = invoke("solve", tiny, "--budget", "0.9", "--optimizer", "adamw", "--time-limit", "5", "-v")
+    assert verbose.exit_code == 0, verbose.output
+    for internal in ("auto chose", "fingerprint", "checkpoint regions", "first node", "ops by module"):
+        assert internal in verbose.stderr, internal
+    assert ": optimal in" in verbose.stderr or ": feasible in" in verbose.stderr
+
+
+@pytest.mark.parametrize(("costs", "basis"), [("flops", "priced in recomputed FLOPs"), ("here", "timed on this machine")])
+def test_solve_states_what_prices_the_overhead(tiny: Path, costs: str, basis: str) -> None:
+    result = invoke("solve", tiny, "--budget", "0.9", "--solver", "dp", "--costs", costs)
+    assert result.exit_code == 0, result.output
+    assert basis in result.stderr and "A100" not in result.stderr
 
 
 def test_solve_out_writes_a_loadable_plan(plan_file: Path) -> None:
@@ -282,11 +311,16 @@ def test_unknown_trace_mode_is_a_usage_error(tiny: Path) -> None:
 def test_show_renders_saved_plan(plan_file: Path) -> None:
     result = invoke("show", plan_file)
     assert result.exit_code == 0, result.output
-    assert "checkpoint regions" in result.stderr
     assert "Sequential" in result.stderr
     plan = ckptplan.load_plan(plan_file)
-    assert "by module" in result.stderr and "recomputed" in result.stderr
     assert sum(n.decision == "recompute" for n in plan.nodes) > 0
+    assert "recomputed in backward" in result.stderr and "A100 datasheet" in result.stderr
+    rows = recomputed_by_module(plan)
+    lines = result.stderr.splitlines()
+    assert rows and all(any(r.module in line and r.recomputed in line for line in lines) for r in rows)
+    verbose = invoke("show", plan_file, "-v")
+    assert verbose.exit_code == 0, verbose.output
+    assert "checkpoint regions" in verbose.stderr and "by module" in verbose.stderr
 
 
 def test_show_json_round_trips(plan_file: Path) -> None:
@@ -573,7 +607,7 @@ def test_remat_flag_turns_rematerialisation_on_and_off(workdir: Path) -> None:
     assert {n.decision for n in plan.nodes if n.name in plan.remat} == {"remat"}
     shown = invoke("show", write(workdir, "normed_plan.json", result.stdout))
     assert shown.exit_code == 0, shown.output
-    assert "1 op recomputed in the backward" in shown.stderr and "│ remat │" in shown.stderr.replace("┃", "│")
+    assert "1 op recomputed without a region" in shown.stderr and "│ remat │" in shown.stderr.replace("┃", "│")
     for options in (["--solver", "dp"], ["--no-remat", "--time-limit", "3"]):
         plain = invoke("solve", normed, "--budget", "0.95", "--json", *options)
         assert plain.exit_code == 0, plain.output

@@ -4,6 +4,7 @@ each module's outputs contribute as checkpoint-region inputs. Synthetic graphs k
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from typer.testing import CliRunner, Result
 
 from ckptplan.build import make_plan
 from ckptplan.cli.main import app
-from ckptplan.cli.render import SPARKLINE_BLOCKS, sparkline
+from ckptplan.cli.render import SPARKLINE_BLOCKS, pricing, sparkline
+from ckptplan.cli.summary import recomputed_by_module
 from ckptplan.plan import Plan, Region
 from ckptplan.simulation import Event, simulate
 from ckptplan.solvers import available_solvers, solve
@@ -23,6 +25,16 @@ from ckptplan.timeline import TIMELINE_BUCKETS, Timeline, bucket_bounds, max_poo
 from tests.synthetic import chain_graph
 
 runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """``-v`` configures the process's logging; undo it for the other tests."""
+    logger = logging.getLogger("ckptplan")
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
 ACT_BYTES = [100, 100, 400, 400, 100, 100, 300, 300]
 
 
@@ -153,11 +165,13 @@ def test_show_prints_the_sparkline_and_region_inputs(plan_file: Path) -> None:
     line = next(line for line in result.stderr.splitlines() if "fwd " in line)
     assert "| bwd " in line and SPARKLINE_BLOCKS[-1] in line and len(line.rstrip()) <= 100
     assert "peak" in result.stderr and "budget" in result.stderr
-    assert "region inputs" in result.stderr
+    verbose = invoke("show", plan_file, "-v")
+    assert verbose.exit_code == 0, verbose.output
+    assert "region inputs" in verbose.stderr
 
 
 def test_show_renders_a_plan_without_timeline(old_plan_file: Path) -> None:
-    result = invoke("show", old_plan_file)
+    result = invoke("show", old_plan_file, "-v")
     assert result.exit_code == 0, result.output
     assert "checkpoint regions" in result.stderr and "region inputs" in result.stderr
     assert "fwd " not in result.stderr
@@ -181,3 +195,73 @@ def test_show_plot_refuses_bad_targets_and_plans_without_timeline(
     old = invoke("show", old_plan_file, "--plot", tmp_path / "old.png")
     assert old.exit_code == 1 and "no memory timeline" in old.stderr
     assert not (tmp_path / "old.png").exists()
+
+
+# ----------------------------------------------------------------------------- plain words
+def _blocks_plan() -> Plan:
+    """A plan over a 24-node chain renamed as three transformer blocks of eight ops (layer
+    norm, attention's projections and core, an MLP): regions recompute each block's attention
+    core, and block 2's whole MLP but its first linear, which it keeps."""
+    modules = ["ln", "attn.qkv", "attn", "attn", "attn.proj", "mlp.0", "mlp.1", "mlp.2"]
+    ops = ["layer_norm", "linear", "scaled_dot_product_attention", "view", "linear", "linear", "gelu", "linear"]
+    plan = make_plan(_uniform_graph(), [Region(2, 3), Region(10, 11), Region(18, 19), Region(21, 24, keep=("relu_21",))])
+    nodes = [
+        node.model_copy(update={"module": f"blocks.{i // 8}.{modules[i % 8]}", "op": f"aten.{ops[i % 8]}.default"})
+        for i, node in enumerate(plan.nodes)
+    ]
+    return plan.model_copy(update={"nodes": tuple(nodes)})
+
+
+def test_what_is_recomputed_is_named_by_module_with_repeated_blocks_merged() -> None:
+    rows = recomputed_by_module(_blocks_plan())
+    assert [(r.module, r.recomputed, r.kept, r.how, r.count) for r in rows] == [
+        ("blocks.0..2.attn", "scaled_dot_product_attention", "-", "checkpoint", 3),
+        ("blocks.2.mlp.0..2", "gelu, linear", "linear", "checkpoint", 1),
+    ]
+    assert recomputed_by_module(make_plan(_uniform_graph(), [])) == []
+
+
+def test_regions_across_blocks_name_their_span_and_skipped_indices_are_listed() -> None:
+    plan = _blocks_plan()
+    across = plan.model_copy(update={"regions": (Region(4, 12), Region(20, 23))})
+    assert [r.module for r in recomputed_by_module(across)] == ["blocks.0..1", "blocks.2"]
+    skipping = plan.model_copy(update={"regions": (Region(2, 3), Region(18, 19))})
+    assert [r.module for r in recomputed_by_module(skipping)] == ["blocks.{0,2}.attn"]
+
+
+def test_show_says_what_is_recomputed_by_module_and_what_prices_it(tmp_path: Path) -> None:
+    """The default output names modules and ops in words, states the cost model, and stays
+    within 80 columns; node indices, node names and the solver's status are for ``-v``."""
+    plan = _blocks_plan()
+    plan = plan.model_copy(update={"solver": plan.solver.model_copy(update={"note": "1234 variables, 2 round(s)"})})
+    path = tmp_path / "blocks.json"
+    path.write_text(plan.to_json())
+    result = invoke("show", path)
+    assert result.exit_code == 0, result.output
+    text = result.stderr
+    assert "blocks.0..2.attn" in text and "scaled_dot_product_attention" in text and "kept in memory" in text
+    assert "step time" in text and "A100 datasheet" in text and "--costs here" in text
+    assert "without checkpointing" in text and "of budget" in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    for internal in ("variables", "round(s)", "manual:", "first node", "relu_21", "fingerprint"):
+        assert internal not in text, internal
+    verbose = invoke("show", path, "-v")
+    assert verbose.exit_code == 0, verbose.output
+    for internal in ("1234 variables", "round(s)", "manual: feasible", "first node", "fingerprint", "ops by module"):
+        assert internal in verbose.stderr, internal
+    assert "blocks.0..2.attn" in verbose.stderr
+    before_the_command = invoke("-v", "show", path)
+    assert "1234 variables" in before_the_command.stderr
+
+
+def test_pricing_names_the_cost_model() -> None:
+    plan = _blocks_plan()
+    assert "A100 datasheet" in pricing(plan, "a100") and "this machine" in pricing(plan, "here")
+    assert "FLOPs" in pricing(plan, "flops")
+    # A saved plan's prediction tells: checkpointing's own costs are only timed on a machine.
+    timed = plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"checkpoint_seconds": 1e-3})})
+    assert "timed on the machine that solved it" in pricing(timed, None)
+    assert "A100 datasheet" in pricing(plan, None)
+    flops = plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"priced_in": "flops"})})
+    assert "FLOPs" in pricing(flops, None)
+    assert pricing(make_plan(_uniform_graph(), []), "a100") == ""

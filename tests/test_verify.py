@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
+import statistics
 from pathlib import Path
 
 import pytest
 import torch  # imported before CliRunner runs (see test_cli.py)
+from rich.console import Console
 from typer.testing import CliRunner
 
 import ckptplan
 from ckptplan.cli.main import app
+from ckptplan.cli.render import render_verification
 from ckptplan.errors import CkptPlanError, FingerprintMismatchError
+from ckptplan.planner.verify import Verification
 from tests import models
 
 MODEL = """
@@ -49,6 +55,44 @@ def test_verify_measures_within_budget_with_equal_gradients() -> None:
     assert result.original_step_seconds > 0 and result.emitted_step_seconds > 0
 
 
+def test_verify_times_steps_in_pairs_and_reports_their_spread() -> None:
+    """The step times are the medians of ``steps`` paired steps; the overhead's spread is the
+    least and most of the pairs' (its value is the machine's noise, not tested here)."""
+    model = models.mlp(depth=3)
+    args = (torch.randn(8, 64),)
+    graph = ckptplan.profile(model, args)
+    plan = ckptplan.make_plan(graph, [ckptplan.Region(0, len(graph.nodes) // 2)])
+    result = ckptplan.verify(model, args, plan, steps=3)
+    assert len(result.original_step_times) == len(result.emitted_step_times) == 3
+    assert result.original_step_seconds == sorted(result.original_step_times)[1]
+    assert result.emitted_step_seconds == sorted(result.emitted_step_times)[1]
+    low, high = result.step_overhead_range
+    assert low <= result.step_overhead + 1e-12 and result.step_overhead <= high + 1e-12
+    report = result.to_dict()
+    assert report["step_overhead_range"] == [low, high] and len(report["emitted_step_times"]) == 3
+
+
+def _verification(original: tuple[float, ...], emitted: tuple[float, ...]) -> Verification:
+    return Verification(
+        device="cpu", budget_bytes=100, predicted_peak_bytes=90, measured_peak_bytes=90, original_peak_bytes=120,
+        gradients_equal=True, max_grad_error=0.0,
+        original_step_seconds=statistics.median(original), emitted_step_seconds=statistics.median(emitted),
+        original_step_times=original, emitted_step_times=emitted,
+    )
+
+
+def test_step_time_is_shown_with_its_spread() -> None:
+    console = Console(file=io.StringIO(), width=80)
+    render_verification(console, _verification((1.0, 1.0, 1.0), (1.1, 1.2, 0.9)))
+    text = console.file.getvalue()
+    assert "+10.0% (-10.0% to +20.0% over 3 steps), within noise" in text
+    assert "1200.0 ms" not in text and "1100.0 ms vs 1000.0 ms median" in text
+    console = Console(file=io.StringIO(), width=80)
+    render_verification(console, _verification((1.0,), (1.5,)))
+    assert "+50.0% (1 step: no spread)" in console.file.getvalue()
+    assert _verification((1.0, 2.0), (1.5, 2.0)).step_overhead_range == (0.0, 0.5)
+
+
 def test_verify_rejects_bad_arguments() -> None:
     model = models.mlp(depth=2)
     args = (torch.randn(8, 64),)
@@ -70,8 +114,11 @@ def test_cli_verify_reports_and_exits(tmp_path: Path, monkeypatch: pytest.Monkey
     report = json.loads(result.stdout)
     assert report["within_budget"] and report["gradients_equal"]
     assert report["measured_peak_bytes"] <= report["budget_bytes"]
-    human = runner.invoke(app, ["verify", str(model_file), "--plan", str(plan_file), "--steps", "1"])
+    assert len(report["original_step_times"]) == len(report["emitted_step_times"]) == 1
+    assert report["step_overhead_range"] == [pytest.approx(report["step_overhead"])] * 2
+    human = runner.invoke(app, ["verify", str(model_file), "--plan", str(plan_file), "--steps", "2"])
     assert human.exit_code == 0 and "within budget" in human.stderr and "Traceback" not in human.output
+    assert re.search(r"step time +[+-]\d+\.\d% \([+-]\d+\.\d% to [+-]\d+\.\d% over 2 steps\)", human.stderr)
     wrong_model = runner.invoke(app, ["verify", f"{model_file}:other", "--plan", str(plan_file)])
     assert wrong_model.exit_code == 1 and "fingerprint" in wrong_model.stderr
     assert "Traceback" not in wrong_model.output
