@@ -139,6 +139,7 @@ def _view_reads(graph: ComputeGraph, node: Node) -> tuple[int, ...]:
 def closure(graph: ComputeGraph, index: int, chosen: frozenset[int] | set[int]) -> tuple[int, ...]:
     """The nodes a recompute of ``index`` runs when ``chosen`` are rematerialised: its chosen
     inputs' closures (in argument order, each input once), then ``index``."""
+    # Recursion, not a networkx DFS: docs/design.md, "Where networkx is used and where not".
     order: list[int] = []
     for j in dict.fromkeys(graph.nodes[index].inputs):
         if j in chosen:

@@ -194,6 +194,7 @@ def build_region_tree(graph: ComputeGraph, regions: tuple[Region, ...] | list[Re
                 raise PlanFormatError(f"Node {name!r} cannot be kept: {reason}.")
             keep.add(index)
         info.keep = frozenset(keep)
+        # One pass, not networkx's in-edges: docs/design.md, "Where networkx is used and where not".
         inputs: set[int] = set()
         for i in range(region.start, region.end):
             for j in graph.nodes[i].inputs:

@@ -99,6 +99,7 @@ def stage_starts(graph: ComputeGraph, max_stages: int = 32, skip_share: float = 
     n = len(graph.nodes)
     if n == 0:
         return []
+    # A sweep over storage lifetimes, not networkx's cuts: docs/design.md, "Where networkx is used and where not".
     last_read = _last_reads(graph)
     across: list[list[int]] = [[] for _ in range(n + 1)]  # storages live across each cut
     for s, last in last_read.items():

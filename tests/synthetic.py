@@ -8,6 +8,8 @@ be tested on graphs whose every byte is known:
   trainable weight; a "relu" node saves its own output (``threshold_backward`` uses the result).
 * ``skip_graph``: a small U-Net-like graph whose encoder output is read again near the end,
   with a dropout that saves a hidden mask.
+* ``dag_graph``: any DAG of plain nodes, each reading the earlier nodes it is given and saving
+  what it reads (random skips, residual streams, graphs of thousands of nodes).
 
 Storage indices are positions in ``storages``; static storages (``param``, ``input``) have
 producer -1. Costs are dyadic (``flops * 2**-40`` seconds, about 1 TFLOP/s) so sums of
@@ -170,6 +172,34 @@ def skip_graph(*, param_bytes: int = 48, input_bytes: int = 400, mask_bytes: int
         outputs=(last,),
         loss_nodes=(last,),
         inputs=(TensorSpec(shape=(input_bytes // 4,), dtype="float32"),),
+    )
+
+
+def dag_graph(reads: Sequence[Sequence[int]], act_bytes: Sequence[int], *, outputs: Sequence[int] = ()) -> ComputeGraph:
+    """Node i reads the outputs of nodes ``reads[i]`` (each earlier than i; none: the graph input),
+    saves what it reads, and makes one fresh activation of ``act_bytes[i]`` bytes. ``outputs``:
+    the nodes the model returns besides the last, which is the loss."""
+    n = len(act_bytes)
+    storages: list[Storage] = [Storage(index=0, nbytes=32, kind="input")]
+    storages += [Storage(index=1 + i, nbytes=b, kind="activation", producer=i) for i, b in enumerate(act_bytes)]
+    nodes = []
+    for i in range(n):
+        inputs = tuple(dict.fromkeys(reads[i]))
+        assert all(0 <= j < i for j in inputs), (i, inputs)
+        flops = act_bytes[i]
+        nodes.append(
+            Node(
+                index=i, name=f"op_{i}", op="aten.add.default", module="", inputs=inputs, outputs=(1 + i,),
+                saved=tuple(1 + j for j in inputs) or (0,), grad_inputs=inputs, requires_grad=True,
+                output_bytes=act_bytes[i], fwd_flops=flops, bwd_flops=2 * flops,
+                fwd_cost=_cost(flops), bwd_cost=_cost(2 * flops),
+            )
+        )
+    last = (n - 1,) if n else ()
+    return ComputeGraph(
+        name="dag", nodes=tuple(nodes), storages=tuple(storages),
+        static=StaticMemory(param_bytes=0, buffer_bytes=0, input_bytes=32, grad_bytes=0),
+        outputs=tuple(sorted({*outputs, *last})), loss_nodes=last, inputs=(TensorSpec(shape=(8,), dtype="float32"),),
     )
 
 

@@ -24,6 +24,7 @@ from tests import models
 from tests.conftest import assert_same_gradients, load_example
 from tests.plan_spaces import one_level_plans
 from tests.synthetic import chain_graph
+from tests.test_simulation_props import dags
 
 
 def nested_plans(lo: int, hi: int, forbid_whole: bool = False):
@@ -117,6 +118,28 @@ def test_cost_curve_matches_the_reference_dp_on_a_graph_with_skips() -> None:
         assert curve.cost(budget) == cost
         if cost < INF:
             assert curve.regions(budget) == regions
+
+
+@settings(max_examples=60, deadline=None)
+@given(graph=dags(), share=st.sampled_from([0.0, 1 / 16, 1 / 4, 1.0]))
+def test_stage_cuts_match_edge_cuts_of_the_dataflow_graph(graph: ckptplan.ComputeGraph, share: float) -> None:
+    """``stage_starts``'s sweep over storage lifetimes against networkx's edge boundaries: a cut k
+    carries the outputs of the nodes before k with an edge to a node at or after k (a sink n
+    reads the graph outputs); it is clean when those made before the previous cut are at most
+    ``share`` of its bytes (none at share 0: no edge jumps over the stage before k)."""
+    import networkx as nx
+
+    n = len(graph)
+    g = graph.to_networkx()
+    g.add_edges_from((j, n) for j in graph.outputs)
+    cuts: list[int] = []
+    for k in range(1, n):
+        previous = cuts[-1] if cuts else 0
+        tails = {u for u, _ in nx.edge_boundary(g, range(k), range(k, n + 1))}
+        crossing = sum(graph.new_bytes(u) for u in tails)
+        if sum(graph.new_bytes(u) for u in tails if u < previous) <= share * crossing:
+            cuts.append(k)
+    assert stage_starts(graph, max_stages=n + 1, skip_share=share) == [0, *cuts]
 
 
 @pytest.mark.parametrize("seed", range(8))

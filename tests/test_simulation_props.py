@@ -28,7 +28,7 @@ from ckptplan.plan import Region
 from ckptplan.simulation import Report, baseline_peak_bytes, build_region_tree, simulate
 from ckptplan.solvers import solve
 from ckptplan.solvers.sqrt import solve_sqrt
-from tests.synthetic import chain_graph, check_consistent, skip_graph
+from tests.synthetic import chain_graph, check_consistent, dag_graph, skip_graph
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -51,6 +51,17 @@ def chains(min_nodes: int = 1, max_nodes: int = 12) -> st.SearchStrategy[Compute
 
 
 graphs = st.one_of(chains(), st.just(skip_graph()))
+
+
+@st.composite
+def dags(draw, max_nodes: int = 14) -> ComputeGraph:
+    """A ``dag_graph``: each node reads one to three earlier nodes (none for node 0), some of the
+    others are returned as well as the last."""
+    n = draw(st.integers(1, max_nodes))
+    reads = [draw(st.lists(st.integers(0, i - 1), min_size=1, max_size=3)) if i else [] for i in range(n)]
+    act_bytes = draw(st.lists(st.integers(1, 1000), min_size=n, max_size=n))
+    outputs = draw(st.lists(st.integers(0, n - 1), max_size=2))
+    return dag_graph(reads, act_bytes, outputs=outputs)
 
 
 @st.composite
@@ -192,6 +203,22 @@ def one_level_region_sets(n: int) -> list[tuple[Region, ...]]:
 
 
 # ----------------------------------------------------------------------------- anchors
+@settings(max_examples=60, deadline=None)
+@given(graph=dags(), data=st.data())
+def test_region_inputs_are_the_edges_into_the_region_from_before_it(graph: ComputeGraph, data) -> None:
+    """``build_region_tree``'s sweep against networkx: a region's input storages are the outputs of
+    the tails of the dataflow edges that enter it from earlier nodes."""
+    import networkx as nx
+
+    n = len(graph)
+    start = data.draw(st.integers(0, n - 1))
+    end = data.draw(st.integers(start + 1, n))
+    (info,) = build_region_tree(graph, (Region(start, end),))
+    g = graph.to_networkx()
+    entering = nx.edge_boundary(g, range(start), range(start, end))
+    assert info.input_storages == tuple(sorted({s for u, _ in entering for s in graph.nodes[u].outputs}))
+
+
 def test_synthetic_graphs_are_consistent() -> None:
     for graph in (chain_graph([5]), chain_graph([100, 200, 300], saves_output=True), skip_graph()):
         check_consistent(graph)
