@@ -11,8 +11,10 @@ the model's own ``forward`` (the traced graph is a training-mode graph).
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +41,7 @@ from ckptplan.planner.runtime import (
 )
 from ckptplan.profiler.record import iter_compute_nodes
 from ckptplan.remat import Remat, indices
-from ckptplan.sharding import fsdp_units
+from ckptplan.sharding import ShardUnit, fsdp_units
 from ckptplan.simulation import build_region_tree
 
 # The fx meta key marking nodes that draw random numbers (``Node.random``): only regions holding
@@ -82,7 +84,7 @@ def emit(graph: ComputeGraph, plan: Plan | Sequence[Region]) -> CheckpointedModu
         unit_wrappers = _outline_unit(new_graph, by_index, unit, in_unit[k], counter, owner_modules, model)
         wrappers.update(unit_wrappers)
     for region in in_unit[len(units)]:
-        name, wrapper = _outline(new_graph, by_index, region, counter, owner_modules)
+        name, wrapper = _outline_region(new_graph, by_index, region, counter, owner_modules)
         wrappers[name] = wrapper
     _erase_unused_attrs(new_graph)
     new_graph.lint()
@@ -148,110 +150,7 @@ def _share_state(module: CheckpointedModule, model: nn.Module, source: torch.fx.
     module.training = True
 
 
-def _outline(
-    graph: torch.fx.Graph,
-    by_index: list[torch.fx.Node],
-    region: Region,
-    counter: list[int],
-    owner_modules: dict[str, nn.Module],
-) -> tuple[str, CheckpointRegion]:
-    """Move ``region``'s nodes out of ``graph`` into a body graph called through a region module."""
-    counter[0] += 1
-    region_id = counter[0]
-    members = by_index[region.start:region.end]
-    member_set = set(members)
-    inputs: list[torch.fx.Node] = []
-    for fx_node in members:
-        for used in fx_node.all_input_nodes:
-            if used not in member_set and used not in inputs:
-                inputs.append(used)
-    outputs = [n for n in members if any(user not in member_set for user in n.users)]
-
-    # Buffers are not checkpoint arguments: checkpoint saves its tensor arguments and checks
-    # their version on recompute, but BatchNorm updates its buffers in place. The region gets
-    # the owning module instead and reads the buffer inside (``read_state``).
-    body = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    call_args: list[torch.fx.Node] = []
-    owner_placeholders: dict[torch.fx.Node, torch.fx.Node] = {}
-    state_reads: list[tuple[torch.fx.Node, torch.fx.Node, str]] = []
-    for fx_input in inputs:
-        owner_ref = _buffer_owner(graph, fx_input, owner_modules)
-        if owner_ref is None:
-            env[fx_input] = body.placeholder(fx_input.name)
-            env[fx_input].meta = dict(fx_input.meta)
-            call_args.append(fx_input)
-        else:
-            owner_node, attr = owner_ref
-            state_reads.append((fx_input, owner_node, attr))
-    for fx_input, owner_node, attr in state_reads:
-        if owner_node not in owner_placeholders:
-            owner_placeholders[owner_node] = body.placeholder(f"{owner_node.name}_module")
-            call_args.append(owner_node)
-        env[fx_input] = body.call_function(read_state, (owner_placeholders[owner_node], attr))
-        env[fx_input].meta = dict(fx_input.meta)
-    keep = set(region.keep)
-    body_modules: dict[str, Any] = {}
-    for fx_node in members:
-        copied = body.node_copy(fx_node, lambda n: env[n])
-        env[fx_node] = copied
-        _guard_state_updates(body, copied, owner_modules, body_modules)
-        if copied.op == "call_module" and copied.target not in body_modules:
-            body_modules[copied.target] = owner_modules[copied.target]
-        if fx_node.name in keep:
-            _mark_kept(body, copied, region_id)
-    body.output(tuple(env[n] for n in outputs))
-
-    # Nested regions: outline the children inside the body.
-    body_index = {fx_node: env[fx_node] for fx_node in members}
-    child_wrappers: dict[str, CheckpointRegion] = {}
-    local_by_index = list(by_index)
-    for position in range(region.start, region.end):
-        local_by_index[position] = body_index[by_index[position]]
-    for child in region.children:
-        name, wrapper = _outline(body, local_by_index, child, counter, owner_modules)
-        child_wrappers[name] = wrapper
-    body.lint()
-    root = {**body_modules, **child_wrappers}
-    for fx_node in body.nodes:
-        if fx_node.op == "get_attr" and fx_node.target not in root:
-            root[fx_node.target] = _fetch_from(owner_modules, fx_node.target)
-    body_module = torch.fx.GraphModule(root, body, class_name=f"Region{region_id}")
-    random = any(fx_node.meta.get(_RANDOM, False) for fx_node in members)
-    wrapper = CheckpointRegion(body_module, region_id, tuple(region.keep), random)
-    name = f"_ckptplan_region_{region_id}"
-
-    # Replace the members in the parent graph by one call and getitems. Attribute reads
-    # interleaved with the members move up so the call sees them.
-    first = members[0]
-    for fx_input in call_args:
-        if fx_input.op == "get_attr" and fx_input > first:
-            first.prepend(fx_input)
-    with graph.inserting_before(first):
-        region_module = graph.get_attr(name)
-        call = graph.call_function(run_region, (region_module, *call_args))
-        call.meta["ckptplan_region"] = region_id
-        results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
-    _replace_members(graph, members, outputs, results)
-    for position in range(region.start, region.end):
-        by_index[position] = call
-    return name, wrapper
-
-
-def _replace_members(
-    graph: torch.fx.Graph, members: list[torch.fx.Node], outputs: list[torch.fx.Node], results: list[torch.fx.Node]
-) -> None:
-    """Outside ``members``, use ``results`` (the outlined call's items) for ``outputs``; then erase
-    the members."""
-    member_set = set(members)
-    for original, result in zip(outputs, results):
-        result.meta = dict(original.meta)
-        original.replace_all_uses_with(result, delete_user_cb=lambda user: user not in member_set)
-    for fx_node in reversed(members):
-        graph.erase_node(fx_node)
-
-
-def _regions_by_unit(regions: Sequence[Region], units: Sequence[Any]) -> list[list[Region]]:
+def _regions_by_unit(regions: Sequence[Region], units: Sequence[ShardUnit]) -> list[list[Region]]:
     """Top-level regions per unit (index ``len(units)``: outside every unit). A region must lie
     inside one unit or outside all of them: a checkpoint cannot span two FSDP units."""
     grouped: list[list[Region]] = [[] for _ in range(len(units) + 1)]
@@ -270,45 +169,57 @@ def _regions_by_unit(regions: Sequence[Region], units: Sequence[Any]) -> list[li
     return grouped
 
 
-def _outline_unit(
-    graph: torch.fx.Graph,
-    by_index: list[torch.fx.Node],
-    unit: Any,
-    regions: Sequence[Region],
-    counter: list[int],
-    owner_modules: dict[str, nn.Module],
-    model: nn.Module,
-) -> dict[str, nn.Module]:
-    """Move the unit's nodes into a body called as the unit module's forward, outline its
-    regions inside that body, and return the wrappers made (the unit's and its regions')."""
-    members = by_index[unit.start:unit.end]
+# Binds a body's inputs: the env entries of the body nodes standing for them, and the parent's
+# nodes the body's call passes (see ``_bind_region_inputs``, ``_bind_unit_inputs``).
+_Bind = Callable[[torch.fx.Graph, list[torch.fx.Node]], tuple[dict[torch.fx.Node, torch.fx.Node], list[torch.fx.Node]]]
+# Adjusts a member's copy in the body, given the body, the member and its copy.
+_Prepare = Callable[[torch.fx.Graph, torch.fx.Node, torch.fx.Node], None]
+
+
+@dataclass(frozen=True)
+class _Body:
+    """Nodes ``[start, end)`` of a graph copied into ``module``'s graph, not yet replaced there:
+    ``members`` (the nodes), ``outputs`` (members used after them), ``call_args`` (what a call of
+    the body passes), and ``wrappers`` (the modules of the regions outlined inside it, by name)."""
+
+    start: int
+    end: int
+    members: list[torch.fx.Node]
+    outputs: list[torch.fx.Node]
+    call_args: list[torch.fx.Node]
+    module: torch.fx.GraphModule
+    wrappers: dict[str, CheckpointRegion]
+
+
+def _outline(
+    graph: torch.fx.Graph, by_index: list[torch.fx.Node], start: int, end: int, regions: Sequence[Region],
+    counter: list[int], owner_modules: dict[str, nn.Module], bind: _Bind, prepare: _Prepare | None, class_name: str,
+) -> _Body:
+    """Copy nodes ``[start, end)`` of ``graph`` into a body graph whose inputs ``bind`` makes, with
+    ``prepare`` applied to each copy, outline ``regions`` (which lie inside the range) in the body,
+    and build its module. The members stay in ``graph`` until ``_call_body`` replaces them."""
+    members = by_index[start:end]
     member_set = set(members)
     inputs: list[torch.fx.Node] = []
-    attrs: list[torch.fx.Node] = []
     for fx_node in members:
         for used in fx_node.all_input_nodes:
-            if used in member_set or used in inputs or used in attrs:
-                continue
-            live = used.op == "get_attr" and "." in str(used.target) and str(used.target).split(".")[0] in model._modules
-            (attrs if live else inputs).append(used)
+            if used not in member_set and used not in inputs:
+                inputs.append(used)
     outputs = [n for n in members if any(user not in member_set for user in n.users)]
     body = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for fx_input in inputs:
-        env[fx_input] = body.placeholder(fx_input.name)
-        env[fx_input].meta = dict(fx_input.meta)
-    for attr in attrs:
-        env[attr] = body.get_attr(attr.target)
-        env[attr].meta = dict(attr.meta)
+    env, call_args = bind(body, inputs)
     for fx_node in members:
         env[fx_node] = body.node_copy(fx_node, lambda n: env[n])
+        if prepare is not None:
+            prepare(body, fx_node, env[fx_node])
     body.output(tuple(env[n] for n in outputs))
+
     local_by_index = list(by_index)
-    for position in range(unit.start, unit.end):
+    for position in range(start, end):
         local_by_index[position] = env[by_index[position]]
-    wrappers: dict[str, nn.Module] = {}
+    wrappers: dict[str, CheckpointRegion] = {}
     for region in regions:
-        name, wrapper = _outline(body, local_by_index, region, counter, owner_modules)
+        name, wrapper = _outline_region(body, local_by_index, region, counter, owner_modules)
         wrappers[name] = wrapper
     body.lint()
     root: dict[str, Any] = {}
@@ -316,24 +227,148 @@ def _outline_unit(
         if fx_node.op in ("get_attr", "call_module") and fx_node.target not in root:
             target = str(fx_node.target)
             root[target] = wrappers[target] if target in wrappers else _fetch_from(owner_modules, target)
-    body_module = torch.fx.GraphModule(root, body, class_name="ShardUnit")
-    for top in {str(t).split(".")[0] for t in root if "." in str(t)}:
+    module = torch.fx.GraphModule(root, body, class_name=class_name)
+    return _Body(start, end, members, outputs, call_args, module, wrappers)
+
+
+def _call_body(
+    graph: torch.fx.Graph, by_index: list[torch.fx.Node], outlined: _Body, run: Callable[..., Any], attrs: Sequence[str]
+) -> torch.fx.Node:
+    """Replace ``outlined``'s members in ``graph`` by one call ``run(*attrs, *call_args)`` (the
+    attributes read with get_attr) and getitems of its results, and point the members' positions
+    in ``by_index`` at the call, which is returned. Attribute reads interleaved with the members
+    move up so the call sees them."""
+    first = outlined.members[0]
+    for fx_input in outlined.call_args:
+        if fx_input.op == "get_attr" and fx_input > first:
+            first.prepend(fx_input)
+    with graph.inserting_before(first):
+        attr_nodes = [graph.get_attr(attr) for attr in attrs]
+        call = graph.call_function(run, (*attr_nodes, *outlined.call_args))
+        results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outlined.outputs))]
+    member_set = set(outlined.members)
+    for original, result in zip(outlined.outputs, results):
+        result.meta = dict(original.meta)
+        original.replace_all_uses_with(result, delete_user_cb=lambda user: user not in member_set)
+    for fx_node in reversed(outlined.members):
+        graph.erase_node(fx_node)
+    for position in range(outlined.start, outlined.end):
+        by_index[position] = call
+    return call
+
+
+def _outline_region(
+    graph: torch.fx.Graph,
+    by_index: list[torch.fx.Node],
+    region: Region,
+    counter: list[int],
+    owner_modules: dict[str, nn.Module],
+) -> tuple[str, CheckpointRegion]:
+    """Move ``region``'s nodes out of ``graph`` into a body called through a checkpoint region
+    module (``run_region``), with its state updates guarded, its kept nodes marked and its
+    children outlined inside; returns the module's attribute name and the module."""
+    counter[0] += 1
+    region_id = counter[0]
+    bind = functools.partial(_bind_region_inputs, graph, owner_modules)
+    prepare = functools.partial(_prepare_region_member, owner_modules, frozenset(region.keep), region_id)
+    outlined = _outline(
+        graph, by_index, region.start, region.end, region.children, counter, owner_modules, bind, prepare,
+        f"Region{region_id}",
+    )
+    random = any(fx_node.meta.get(_RANDOM, False) for fx_node in outlined.members)
+    wrapper = CheckpointRegion(outlined.module, region_id, tuple(region.keep), random)
+    name = f"_ckptplan_region_{region_id}"
+    call = _call_body(graph, by_index, outlined, run_region, (name,))
+    call.meta["ckptplan_region"] = region_id
+    return name, wrapper
+
+
+def _outline_unit(
+    graph: torch.fx.Graph,
+    by_index: list[torch.fx.Node],
+    unit: ShardUnit,
+    regions: Sequence[Region],
+    counter: list[int],
+    owner_modules: dict[str, nn.Module],
+    model: nn.Module,
+) -> dict[str, nn.Module]:
+    """Move the unit's nodes into a body called as the unit module's forward (``run_unit``),
+    outline its regions inside that body, and return the wrappers made (the unit's and its
+    regions')."""
+    bind = functools.partial(_bind_unit_inputs, model)
+    outlined = _outline(graph, by_index, unit.start, unit.end, regions, counter, owner_modules, bind, None, "ShardUnit")
+    body_module = outlined.module
+    targets = {str(n.target) for n in body_module.graph.nodes if n.op in ("get_attr", "call_module")}
+    for top in {target.split(".")[0] for target in targets if "." in target}:
         # Read through the model's own modules at call time (see ShardUnitBody).
         body_module._modules.pop(top, None)
         body_module.__dict__[top] = model._modules[top]
     counter[0] += 1
     name = f"_ckptplan_unit_{counter[0]}"
-    wrappers[name] = ShardUnitBody(body_module, unit.path)
-
-    with graph.inserting_before(members[0]):
-        unit_node = graph.get_attr(unit.path)
-        body_node = graph.get_attr(name)
-        call = graph.call_function(run_unit, (unit_node, body_node, *inputs))
-        results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
-    _replace_members(graph, members, outputs, results)
-    for position in range(unit.start, unit.end):
-        by_index[position] = call
+    wrappers: dict[str, nn.Module] = {**outlined.wrappers, name: ShardUnitBody(body_module, unit.path)}
+    _call_body(graph, by_index, outlined, run_unit, (unit.path, name))
     return wrappers
+
+
+def _bind_region_inputs(
+    graph: torch.fx.Graph, owner_modules: dict[str, nn.Module], body: torch.fx.Graph, inputs: list[torch.fx.Node]
+) -> tuple[dict[torch.fx.Node, torch.fx.Node], list[torch.fx.Node]]:
+    """A region body's inputs (a ``_Bind``): a placeholder for each input, passed as it is, but
+    for buffers, which are not checkpoint arguments: checkpoint saves its tensor arguments and
+    checks their version on recompute, but BatchNorm updates its buffers in place. The region
+    gets the owning module instead (one placeholder per module, after the others) and reads the
+    buffer inside (``read_state``)."""
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    call_args: list[torch.fx.Node] = []
+    state_reads: list[tuple[torch.fx.Node, torch.fx.Node, str]] = []
+    for fx_input in inputs:
+        owner_ref = _buffer_owner(graph, fx_input, owner_modules)
+        if owner_ref is None:
+            env[fx_input] = _placeholder(body, fx_input)
+            call_args.append(fx_input)
+        else:
+            state_reads.append((fx_input, *owner_ref))
+    owner_placeholders: dict[torch.fx.Node, torch.fx.Node] = {}
+    for fx_input, owner_node, attr in state_reads:
+        if owner_node not in owner_placeholders:
+            owner_placeholders[owner_node] = body.placeholder(f"{owner_node.name}_module")
+            call_args.append(owner_node)
+        env[fx_input] = body.call_function(read_state, (owner_placeholders[owner_node], attr))
+        env[fx_input].meta = dict(fx_input.meta)
+    return env, call_args
+
+
+def _bind_unit_inputs(
+    model: nn.Module, body: torch.fx.Graph, inputs: list[torch.fx.Node]
+) -> tuple[dict[torch.fx.Node, torch.fx.Node], list[torch.fx.Node]]:
+    """A unit body's inputs (a ``_Bind``): a placeholder for each input, passed as it is, but for
+    attributes of the model's submodules (the unit's parameters and buffers), which the body
+    reads itself with get_attr (after the placeholders) when it runs: see ``ShardUnitBody``."""
+    live = {n for n in inputs if n.op == "get_attr" and "." in str(n.target) and str(n.target).split(".")[0] in model._modules}
+    call_args = [n for n in inputs if n not in live]
+    env = {fx_input: _placeholder(body, fx_input) for fx_input in call_args}
+    for attr in (n for n in inputs if n in live):
+        env[attr] = body.get_attr(attr.target)
+        env[attr].meta = dict(attr.meta)
+    return env, call_args
+
+
+def _placeholder(body: torch.fx.Graph, fx_input: torch.fx.Node) -> torch.fx.Node:
+    """A placeholder of ``body`` standing for ``fx_input``, named and annotated as it is."""
+    placeholder = body.placeholder(fx_input.name)
+    placeholder.meta = dict(fx_input.meta)
+    return placeholder
+
+
+def _prepare_region_member(
+    owner_modules: dict[str, nn.Module], keep: frozenset[str], region_id: int,
+    body: torch.fx.Graph, fx_node: torch.fx.Node, copied: torch.fx.Node,
+) -> None:
+    """A region member's copy (a ``_Prepare``): state updates guarded, and a kept node run
+    through its region's selective policy."""
+    _guard_state_updates(body, copied, owner_modules)
+    if fx_node.name in keep:
+        _mark_kept(body, copied, region_id)
 
 
 def _erase_unused_attrs(graph: torch.fx.Graph) -> None:
@@ -416,7 +451,6 @@ def _guard_state_updates(
     body: torch.fx.Graph,
     copied: torch.fx.Node,
     owner_modules: dict[str, nn.Module],
-    body_modules: dict[str, Any],
 ) -> None:
     """Keep buffer updates to once per step: recomputation must not repeat them."""
     target = copied.target
@@ -438,7 +472,6 @@ def _guard_state_updates(
     elif copied.op == "call_module" and isinstance(owner_modules.get(copied.target), nn.modules.batchnorm._BatchNorm):
         module_node = body.get_attr(copied.target)
         copied.prepend(module_node)
-        body_modules[copied.target] = owner_modules[copied.target]
         copied.op = "call_function"
         copied.args = (module_node, *copied.args)
         copied.target = batch_norm_module_once
