@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
+from collections.abc import Callable, Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -20,7 +22,14 @@ from rich.logging import RichHandler
 import ckptplan
 from ckptplan.cli.exits import EXIT_ERROR, exits_on_error
 from ckptplan.cli.loader import AUTOCAST_DTYPES, LoadedModel, load_model
-from ckptplan.cli.render import render_plan, render_profile, render_sweep, render_verification, stderr_console
+from ckptplan.cli.render import (
+    progress_line,
+    render_plan,
+    render_profile,
+    render_sweep,
+    render_verification,
+    stderr_console,
+)
 from ckptplan.cli.summary import summarize
 from ckptplan.errors import BudgetError
 from ckptplan.graph import ComputeGraph, ShardSpec
@@ -31,6 +40,7 @@ from ckptplan.planner.sweep import sweep as run_sweep
 from ckptplan.planner.timeline_plot import plot_timeline
 from ckptplan.simulation import baseline_peak_bytes
 from ckptplan.solvers import available_solvers
+from ckptplan.solvers.context import Progress
 from ckptplan.solvers.registry import get_solver
 from ckptplan.units import check_budget
 
@@ -221,8 +231,8 @@ def solve(
             loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out
         )
     log.info("solving %s (%d nodes) with %s", graph.name, len(graph.nodes), solver)
-    with _progress(f"solving {graph.name} ({len(graph.nodes)} nodes) with {solver}"):
-        plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit, remat=remat)
+    with _solving(graph, solver) as on_progress:
+        plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit, remat=remat, progress=on_progress)
     if out is not None:
         save_plan(plan, out, overwrite=force)
     if json_output:
@@ -391,6 +401,21 @@ def _progress(message: str) -> contextlib.AbstractContextManager:
     """A spinner on stderr while ``message`` runs, when stderr is a terminal."""
     console = stderr_console()
     return console.status(message) if console.is_terminal else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _solving(graph: ComputeGraph, solver: str) -> Iterator[Callable[[Progress], None] | None]:
+    """A status line on stderr while ``graph`` is solved, when stderr is a terminal: the phase,
+    the cheapest plan and the bound so far (``render.progress_line``); yields what hears them."""
+    console = stderr_console()
+    title = f"solving {graph.name} ({len(graph.nodes)} ops) with {solver}"
+    if not console.is_terminal:
+        yield None
+        return
+    started = time.perf_counter()
+    with console.status(title) as status:
+        yield lambda progress: status.update(progress_line(title, progress, graph.step_cost,
+                                                           time.perf_counter() - started))
 
 
 def _profile(

@@ -15,6 +15,7 @@ from ckptplan.cli.summary import GroupRow, ProfileSummary, RecomputeRow, recompu
 from ckptplan.plan import Plan, SolverInfo
 from ckptplan.planner.sweep import SweepPoint
 from ckptplan.planner.verify import Verification
+from ckptplan.solvers.context import Progress
 from ckptplan.timeline import Timeline, max_pool
 from ckptplan.units import describe_bytes, format_bytes, format_flops
 
@@ -29,6 +30,23 @@ def render_error(console: Console, message: str) -> None:
     line = Text("Error: ", style="bold red")
     line.append(" ".join(message.split()))
     console.print(line, soft_wrap=True)
+
+
+def progress_line(title: str, progress: Progress, step_cost: float, elapsed_seconds: float) -> str:
+    """The status line a terminal shows while a solve runs: what runs, the cheapest plan so far
+    (its overhead on a step of ``step_cost`` and its peak) and the best bound proven on that
+    overhead, and the seconds spent."""
+    parts = [title, progress.phase]
+    if progress.best_cost_seconds is not None and step_cost > 0:
+        best = f"best +{progress.best_cost_seconds / step_cost:.1%} step time"
+        if progress.best_peak_bytes is not None:
+            best += f" at {format_bytes(progress.best_peak_bytes)}"
+        parts.append(best)
+        bound = progress.bound_cost_seconds
+        if bound is not None and bound <= progress.best_cost_seconds:
+            parts.append(f"bound +{bound / step_cost:.1%}")
+    parts.append(f"{elapsed_seconds:.0f} s")
+    return " · ".join(parts)
 
 
 def render_plan(console: Console, plan: Plan, *, costs: str | None = None, verbose: bool = False) -> None:

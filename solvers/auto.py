@@ -12,7 +12,7 @@ from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.edges import at_unit_edges
 from ckptplan.solvers.least import least_of
 from ckptplan.solvers.registry import available_solvers, default_seconds, get_solver
-from ckptplan.solvers.solution import Solution, as_solution
+from ckptplan.solvers.solution import Solution, run_kernel
 
 
 def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None = None) -> Solution:
@@ -31,10 +31,10 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
     errors: list[InfeasibleBudgetError] = []
     skipped: list[str] = []
 
-    def attempt(name: str, run: Callable[[], object]) -> None:
+    def attempt(name: str, kernel: Callable[..., object]) -> None:
         ctx.report(name)
         try:
-            plan = at_unit_edges(graph, as_solution(graph, run()), budget_bytes)
+            plan = at_unit_edges(graph, run_kernel(kernel, graph, budget_bytes, ctx), budget_bytes)
         except InfeasibleBudgetError as exc:
             errors.append(exc)
         else:
@@ -48,10 +48,10 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
         if name == "dp" and by_blocks:
             skipped.append(f"dp skipped: {len(graph.nodes)} nodes of repeated blocks, which ilp solves block by block")
             continue
-        attempt(name, lambda name=name: get_solver(name)(graph, budget_bytes, ctx))
+        attempt(name, get_solver(name))
     if len(graph.nodes) <= ilp.FLAT_MAX_NODES or by_blocks:
         warm = [p for p in plans if p.solver in ilp.WARM_SOLVERS]
-        attempt("ilp", lambda: ilp.solve_ilp(graph, budget_bytes, ctx, warm=warm))
+        attempt("ilp", lambda g, b, c: ilp.solve_ilp(g, b, c, warm=warm))
     else:
         skipped.append(f"ilp skipped: {len(graph.nodes)} nodes > {ilp.FLAT_MAX_NODES} and no repeated blocks")
     if not plans:

@@ -36,7 +36,7 @@ from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, build_model, region_
 from ckptplan.solvers.least import least_of
 from ckptplan.solvers.refine import Moves, add_keeps, shed_keeps, simplify
 from ckptplan.solvers.registry import get_solver
-from ckptplan.solvers.solution import Solution, as_solution, solution
+from ckptplan.solvers.solution import Solution, run_kernel, solution
 from ckptplan.solvers.sqrt import least_peak_regions
 from ckptplan.units import describe_bytes
 
@@ -190,7 +190,7 @@ def warm_plans(
     plans = []
     for name in names:
         try:
-            plans.append(as_solution(graph, get_solver(name)(graph, budget_bytes, ctx)))
+            plans.append(run_kernel(get_solver(name), graph, budget_bytes, ctx))
         except InfeasibleBudgetError as exc:
             if errors is not None:
                 errors.append(exc)

@@ -17,7 +17,7 @@ from ckptplan.solvers.edges import at_unit_edges
 from ckptplan.solvers.least import least_plan
 from ckptplan.solvers.registry import default_seconds, get_solver
 from ckptplan.solvers.remat_plans import with_remat
-from ckptplan.solvers.solution import Solution, as_solution
+from ckptplan.solvers.solution import Solution, run_kernel
 from ckptplan.units import describe_bytes, parse_budget
 
 
@@ -49,7 +49,7 @@ def solve(
         ctx = SolveContext.limited(time_limit, default=default_seconds(solver), on_progress=progress)
 
         def run(g: ComputeGraph, phase: SolveContext) -> Solution:
-            return at_unit_edges(g, as_solution(g, kernel(g, budget_bytes, phase)), budget_bytes)
+            return at_unit_edges(g, run_kernel(kernel, g, budget_bytes, phase), budget_bytes)
 
         remat = solver == "auto" if remat is None else remat
         found = with_remat(graph, budget_bytes, run, ctx, solver) if remat else run(graph, ctx)
@@ -103,7 +103,7 @@ def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> 
     plans, errors = [], []
     for name in quick:
         try:
-            plans.append(as_solution(graph, get_solver(name)(graph, floor, SolveContext.limited(None))))
+            plans.append(run_kernel(get_solver(name), graph, floor, SolveContext.limited(None)))
         except InfeasibleBudgetError as exc:
             errors.append(exc)
     held = (f"the {describe_bytes(floor)} every plan holds before any activation (parameters, buffers, inputs"

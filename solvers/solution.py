@@ -6,10 +6,11 @@ budgets.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.region import Region
 from ckptplan.remat import indices
@@ -79,3 +80,15 @@ def as_solution(graph: ComputeGraph, found: object) -> Solution:
     info = found.solver
     return solution(graph, found.regions, info.name, status=info.status, note=info.note, gap=info.gap,
                     origin=info.origin, remat=found.remat)
+
+
+def run_kernel(kernel: Callable[..., object], graph: ComputeGraph, budget_bytes: int, ctx: object) -> Solution:
+    """``kernel``'s answer for ``graph`` within ``budget_bytes`` as a ``Solution``, and the least
+    plan its ``InfeasibleBudgetError`` names likewise (``as_solution``)."""
+    try:
+        return as_solution(graph, kernel(graph, budget_bytes, ctx))
+    except InfeasibleBudgetError as exc:
+        if exc.least_plan is None or isinstance(exc.least_plan, Solution):
+            raise
+        raise InfeasibleBudgetError(str(exc), budget_bytes=exc.budget_bytes, min_peak_bytes=exc.min_peak_bytes,
+                                    least_plan=as_solution(graph, exc.least_plan)) from None

@@ -612,3 +612,17 @@ def test_remat_flag_turns_rematerialisation_on_and_off(workdir: Path) -> None:
         plain = invoke("solve", normed, "--budget", "0.95", "--json", *options)
         assert plain.exit_code == 0, plain.output
         assert not ckptplan.Plan.from_json(plain.stdout).remat
+
+
+def test_the_status_line_reads_in_step_time_and_leaves_out_what_is_not_known() -> None:
+    from ckptplan.cli.render import progress_line
+    from ckptplan.solvers.context import Progress
+
+    title = "solving GPT (160 ops) with auto"
+    assert progress_line(title, Progress(phase="sqrt"), 2.0, 0.4) == f"{title} · sqrt · 0 s"
+    line = progress_line(title, Progress("ilp: search", best_cost_seconds=0.05, best_peak_bytes=3 * 2**20,
+                                         bound_cost_seconds=0.04), 2.0, 7.2)
+    assert line == f"{title} · ilp: search · best +2.5% step time at 3.0 MiB · bound +2.0% · 7 s"
+    # A bound above the best plan (over ilp's one-level plans, when a nested plan is cheaper) is not shown.
+    assert "bound" not in progress_line(title, Progress("ilp", best_cost_seconds=0.01, bound_cost_seconds=0.02),
+                                        2.0, 1.0)

@@ -13,6 +13,7 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.plan import BudgetInfo, Plan, Region, SolverInfo
 from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers import available_solvers, registry, solve
+from ckptplan.solvers.context import Progress
 from ckptplan.solvers.registry import get_solver, register
 from ckptplan.solvers.sqrt import crossing_bytes, segment
 from ckptplan.units import format_bytes
@@ -294,3 +295,28 @@ def test_auto_says_when_the_graph_is_too_large_for_ilp() -> None:
     plan = solve(graph, "80%", solver="auto")
     assert plan.solver.name in ("dp", "sqrt")
     assert f"ilp skipped: {FLAT_MAX_NODES + 2} nodes > {FLAT_MAX_NODES} and no repeated blocks" in plan.solver.note
+
+
+def test_a_solve_reports_its_phases_and_its_best_plan_as_it_goes() -> None:
+    """``solve(progress=...)`` hears each phase as it starts, and a best plan that only gets
+    cheaper; the plan returned is no dearer than the best reported, which a plan of the solve
+    (not one of a block or of the rematerialised graph) reached."""
+    graph = graph_named("varied20")
+    heard: list[Progress] = []
+    plan = solve(graph, 0.6, solver="auto", time_limit=5, progress=heard.append)
+    phases = [p.phase for p in heard]
+    assert {"sqrt", "dp", "ilp"} <= set(phases)
+    costs = [p.best_cost_seconds for p in heard if p.best_cost_seconds is not None]
+    assert costs and all(b <= a for a, b in zip(costs, costs[1:], strict=False))
+    assert plan.prediction.cost_seconds <= costs[-1] * (1 + 1e-12)
+    assert heard[-1].best_peak_bytes is not None and heard[-1].best_peak_bytes <= plan.budget.bytes
+    bounds = [p.bound_cost_seconds for p in heard if p.bound_cost_seconds is not None]
+    assert all(b >= a for a, b in zip(bounds, bounds[1:], strict=False))
+
+
+def test_a_solve_without_a_listener_is_the_same_solve() -> None:
+    graph = graph_named("skip")
+    heard: list[object] = []
+    quiet = solve(graph, 0.8, solver="ilp", time_limit=2)
+    told = solve(graph, 0.8, solver="ilp", time_limit=2, progress=heard.append)
+    assert heard and _without_timing(quiet) == _without_timing(told)
