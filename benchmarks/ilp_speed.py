@@ -40,17 +40,10 @@ import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.simulation import baseline_peak_bytes
 from ckptplan.solvers.context import SolveContext
-from ckptplan.solvers.ilp import (
-    blocks_share,
-    build_model,
-    solve_hierarchical,
-    solve_ilp,
-    starting_plan,
-    warm_plans,
-    warm_solvers,
-)
+from ckptplan.solvers.ilp import blocks_share, solve_hierarchical, solve_ilp
+from ckptplan.solvers.ilp_flat import starting_plan, warm_plans, warm_solvers
 from ckptplan.solvers.ilp_lazy import proof_search
-from ckptplan.solvers.ilp_model import COST_SCALE
+from ckptplan.solvers.ilp_model import COST_SCALE, build_model
 from ckptplan.solvers.sqrt import solve_sqrt
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -49,6 +49,7 @@ from ckptplan.region import Region
 from ckptplan.repeats import Block, find_blocks
 from ckptplan.simulation import Report, baseline_peak_bytes, simulate
 from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.ilp_flat import solve_flat, starting_plan, warm_plans
 from ckptplan.solvers.ilp_model import keepable
 from ckptplan.solvers.refine import keep_priority
 from ckptplan.solvers.solution import Solution, solution
@@ -213,11 +214,9 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
     allows ``THOROUGH_SECONDS`` per solve. ``seconds`` is shared out by the block's size
     (``SOLVE_SECONDS_PER_NODE`` and its siblings), not by the clock, so every run makes the same
     solves with the same limits. Below ``MIN_SOLVE_SECONDS`` per solve there are no flat solves:
-    each budget's policy is the ilp's starting plan instead (``ilp.starting_plan``: those warm
+    each budget's policy is the ilp's starting plan instead (``ilp_flat.starting_plan``: those warm
     plans with keeps added or shed by ``solvers.refine``), for as many ballasts and budgets, in
     order, as ``seconds`` pays for. ``seconds`` is ``ctx.limit``; the solves end by its deadline."""
-    from ckptplan.solvers.ilp import solve_flat  # ilp imports this module
-
     seconds = ctx.limit
     length = block.end - block.start
     ranked = ranked_keep_policies(graph, block)
@@ -286,8 +285,6 @@ def _block_plan(
     """The block graph ``sub``'s plan within ``budget`` (None if none is found): the flat ilp's
     with ``seconds``, or without (None) the ilp's starting plan. Either starts from ``warm`` and
     from the ``sqrt`` and ``dp`` plans (``slot``: dp's limit)."""
-    from ckptplan.solvers.ilp import solve_flat, starting_plan, warm_plans  # ilp imports this module
-
     warm = [*warm, *warm_plans(sub, budget, ctx.within(slot).unscored())]
     if seconds is None:
         regions = starting_plan(sub, warm, budget)

@@ -97,7 +97,7 @@ def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> 
     floor = graph.static.floor_bytes
     if budget_bytes >= floor:
         return
-    from ckptplan.solvers.ilp import warm_solvers  # ilp imports ortools: only for this refusal
+    from ckptplan.solvers.ilp_flat import warm_solvers  # imports ortools: only for this refusal
 
     quick = (solver,) if solver in ("sqrt", "dp") else warm_solvers(graph) if solver in ("auto", "ilp") else ()
     plans, errors = [], []

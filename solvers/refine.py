@@ -108,7 +108,7 @@ def simplify(
     no-ops behind (a one-node region keeping its node, a region around free ops), and every
     region is a ``checkpoint`` call at run time. ``deadline`` (a ``time.perf_counter()`` value)
     ends the trials early, with what they removed so far: one simulation per region and keep
-    adds up on large graphs (see ``ilp.SIMPLIFY_GRACE``)."""
+    adds up on large graphs (see ``ilp_tuning.SIMPLIFY_GRACE``)."""
     best: Report = simulate(graph, regions)
 
     def no_worse(candidate: tuple[Region, ...]) -> bool:

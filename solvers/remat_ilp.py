@@ -11,7 +11,7 @@ deep, ``remat.deep_chains``). CP-SAT on the whole joint model
 at once found nothing better than its start in 15 s on the BERT of ``benchmarks/compare.py``,
 where these steps lowered the cost by 5-10%; so it is searched a neighbourhood at a time, as
 ``ilp.improve_locally`` does for regions alone. The model is built whole (no lazy rows), so this
-suits graphs of up to ``ilp.FLAT_MAX_NODES`` nodes.
+suits graphs of up to ``ilp_tuning.FLAT_MAX_NODES`` nodes.
 """
 
 from __future__ import annotations
@@ -24,14 +24,9 @@ from ckptplan import remat as _remat
 from ckptplan.graph import ComputeGraph
 from ckptplan.region import Region
 from ckptplan.simulation import Report, simulate
+from ckptplan.solvers import ilp_tuning as tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import configure, extract_regions, extract_remat, fix_plan, solve_interruptibly
-from ckptplan.solvers.ilp import (
-    BUILD_SECONDS_PER_PAIR,
-    DETERMINISTIC_SECONDS_PER_SECOND,
-    FLAT_MAX_NODES,
-    LNS_WINDOW,
-)
 from ckptplan.solvers.ilp_model import build_model, region_window
 from ckptplan.solvers.solution import Solution, solution
 
@@ -41,16 +36,16 @@ STEP_DETERMINISTIC_SECONDS = 0.25  # CP-SAT's deterministic clock per neighbourh
 STEP_SECONDS = 1.5  # about what a step took on the GPT example and BERT here (the copied model's presolve, mostly)
 
 # The least time worth a joint search: building the model comes first (about
-# ``BUILD_SECONDS_PER_PAIR`` per node and window step: 1.5 s for a 160-node graph here).
+# ``tuning.BUILD_SECONDS_PER_PAIR`` per node and window step: 1.5 s for a 160-node graph here).
 MIN_SECONDS = 5.0
 
 
 def affordable(graph: ComputeGraph, seconds: float | None) -> bool:
     """Whether a joint search of ``seconds`` (None: no limit) suits ``graph``: candidates to
-    decide, at most ``FLAT_MAX_NODES`` nodes, and time for more than building the model twice."""
-    if not _remat.candidates(graph) or len(graph.nodes) > FLAT_MAX_NODES:
+    decide, at most ``tuning.FLAT_MAX_NODES`` nodes, and time for more than building the model twice."""
+    if not _remat.candidates(graph) or len(graph.nodes) > tuning.FLAT_MAX_NODES:
         return False
-    build = BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, None)
+    build = tuning.BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, None)
     return seconds is None or seconds >= max(MIN_SECONDS, 2 * build)
 
 
@@ -61,11 +56,11 @@ def search_with_remat(
     """The cheapest plan a large-neighbourhood search of the joint model finds from ``start`` (a
     plan of one level that fits ``budget_bytes``) in ``ctx.limit`` seconds, or None when it finds
     none cheaper. As ``ilp.improve_locally`` does for regions alone: free the decisions (region,
-    keep and rematerialisation) of ``LNS_WINDOW`` nodes at a time (``_neighbourhoods``, dearest
+    keep and rematerialisation) of ``tuning.LNS_WINDOW`` nodes at a time (``_neighbourhoods``, dearest
     first), fix the rest to the incumbent, and move to any cheaper plan the simulator confirms
     (then rank the neighbourhoods again); stop when a whole round finds nothing, or after
     ``max_steps`` steps (default ``ctx.limit / STEP_SECONDS``) or
-    ``ilp.DETERMINISTIC_SECONDS_PER_SECOND`` of the limit on CP-SAT's deterministic clock: the same
+    ``ilp_tuning.DETERMINISTIC_SECONDS_PER_SECOND`` of the limit on CP-SAT's deterministic clock: the same
     inputs give the same plan unless the wall clock, which only backs these up, ends it first."""
     time_limit = ctx.limit
     phase = ctx.within(time_limit)
@@ -74,10 +69,10 @@ def search_with_remat(
     log.info("remat: choosing regions and rematerialised ops together, up to %.0f s", min(time_limit, ctx.left()))
     # Regions at most a neighbourhood longer than the start's longest: each step frees one
     # neighbourhood, and a smaller model makes each step's copy and presolve cheaper.
-    window = max(2 * LNS_WINDOW, max((r.end - r.start for r in start.regions), default=0) + LNS_WINDOW)
+    window = max(2 * tuning.LNS_WINDOW, max((r.end - r.start for r in start.regions), default=0) + tuning.LNS_WINDOW)
     model, v = build_model(graph, budget_bytes, window=window, remat=_remat.candidates(graph))
     model.Minimize(v.cost)
-    clock = time_limit * DETERMINISTIC_SECONDS_PER_SECOND
+    clock = time_limit * tuning.DETERMINISTIC_SECONDS_PER_SECOND
     best, best_report, steps = (start.regions, start.remat), start.report, 0
     most_steps = max(1, int(time_limit / STEP_SECONDS)) if max_steps is None else max_steps
     improved = True
@@ -87,7 +82,7 @@ def search_with_remat(
             if clock <= 0 or steps >= most_steps or phase.over():
                 break
             sub = model.Clone()
-            fix_plan(sub, graph, v, best[0], free=range(lo, lo + LNS_WINDOW), remat=best[1])
+            fix_plan(sub, graph, v, best[0], free=range(lo, lo + tuning.LNS_WINDOW), remat=best[1])
             solver = cp_model.CpSolver()
             configure(solver, wall_seconds=phase.left(),
                       deterministic_seconds=min(STEP_DETERMINISTIC_SECONDS, clock), workers=1, seed=seed)
@@ -120,7 +115,7 @@ def search_with_remat(
 
 
 def _neighbourhoods(graph: ComputeGraph, regions: tuple[Region, ...], report: Report) -> list[int]:
-    """First nodes of the ``LNS_WINDOW``-node neighbourhoods (every half window) where the plan
+    """First nodes of the ``tuning.LNS_WINDOW``-node neighbourhoods (every half window) where the plan
     (``regions`` and the rematerialisation ``report`` simulated with them) spends something,
     dearest first: the forward seconds of the nodes it recomputes there (a rematerialised node
     once per recompute) and the fixed cost of each region starting there. A step can only lower
@@ -130,6 +125,6 @@ def _neighbourhoods(graph: ComputeGraph, regions: tuple[Region, ...], report: Re
         spent[t] += graph.nodes[t].fwd_cost
     for region in regions:
         spent[region.start] += graph.region_cost
-    starts = range(0, max(1, len(graph.nodes) - LNS_WINDOW // 2), LNS_WINDOW // 2)
-    weights = {lo: sum(spent[lo:lo + LNS_WINDOW]) for lo in starts}
+    starts = range(0, max(1, len(graph.nodes) - tuning.LNS_WINDOW // 2), tuning.LNS_WINDOW // 2)
+    weights = {lo: sum(spent[lo:lo + tuning.LNS_WINDOW]) for lo in starts}
     return sorted((lo for lo in starts if weights[lo] > 0), key=lambda lo: (-weights[lo], lo))

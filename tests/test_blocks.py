@@ -14,15 +14,10 @@ import ckptplan
 from ckptplan.repeats import find_blocks
 from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers import blocks, ilp
+from ckptplan.solvers import ilp_tuning as tuning
 from ckptplan.solvers.context import SolveContext
-from ckptplan.solvers.ilp import (
-    FLAT_MAX_NODES,
-    LARGE_POLICY_SHARE,
-    POLICY_SHARE,
-    keep_more,
-    solve_hierarchical,
-    solve_ilp,
-)
+from ckptplan.solvers.ilp import keep_more, solve_hierarchical, solve_ilp
+from ckptplan.solvers.ilp_tuning import FLAT_MAX_NODES, LARGE_POLICY_SHARE, POLICY_SHARE
 from ckptplan.solvers.solution import Solution, solution
 from ckptplan.solvers.sqrt import solve_sqrt
 from ckptplan.units import parse_budget
@@ -182,7 +177,7 @@ def test_block_policies_get_more_of_the_limit_when_warm_plans_are_given(gpt18, m
     monkeypatch.setattr(blocks, "decompose", recording)
     budget = parse_budget(0.6, baseline_peak_bytes(gpt18))
     warm = [solve_sqrt(gpt18, budget)]
-    monkeypatch.setattr(ilp, "LARGE_POLICY_MIN_SECONDS", 3.0)  # a long limit, for this test's purpose
+    monkeypatch.setattr(tuning, "LARGE_POLICY_MIN_SECONDS", 3.0)  # a long limit, for this test's purpose
     for given, limit in ((None, 3.0), (warm, 3.0), (warm, 2.5)):
         plan = solve_ilp(gpt18, budget, SolveContext.limited(limit), warm=given)
         assert simulate(gpt18, plan).peak_bytes <= budget
@@ -224,14 +219,13 @@ def test_graphs_of_blocks_get_the_proof_phase_from_the_block_by_block_plan(gpt, 
     limit leaves that time (``proof_follows``) depends on the graph: large ones keep a larger
     share for the proof phase, and graphs above ``QUICK_PROOF_MAX_NODES`` need
     ``SLOW_PROOF_MIN_SECONDS``."""
-    from ckptplan.solvers import ilp
 
     _, _, graph = gpt
     budget = parse_budget(0.7, baseline_peak_bytes(graph))
-    monkeypatch.setattr(ilp, "MIN_PROOF_SECONDS", 1.0)
+    monkeypatch.setattr(tuning, "MIN_PROOF_SECONDS", 1.0)
     dp_cost = ckptplan.solve(graph, budget, solver="dp").prediction.cost_seconds
-    for flat_max in (ilp.FLAT_MAX_NODES, len(graph.nodes) - 1):
-        monkeypatch.setattr(ilp, "FLAT_MAX_NODES", flat_max)
+    for flat_max in (tuning.FLAT_MAX_NODES, len(graph.nodes) - 1):
+        monkeypatch.setattr(tuning, "FLAT_MAX_NODES", flat_max)
         plan = ilp.solve_ilp(graph, budget, SolveContext.limited(4))
         assert "block by block" in plan.note and "proof phase on the whole graph" in plan.note
         assert plan.gap is not None and 0.0 <= plan.gap <= 1.0
@@ -244,9 +238,9 @@ def test_graphs_of_blocks_get_the_proof_phase_from_the_block_by_block_plan(gpt, 
     short = ilp.solve_ilp(graph, budget, SolveContext.limited(3))  # 0.5 × 3 s >= 1 s
     assert "proof phase on the whole graph" in short.note
     assert not ilp.proof_follows(graph, 1.9)  # 0.5 × 1.9 s < 1 s
-    monkeypatch.setattr(ilp, "FLAT_MAX_NODES", len(graph.nodes))
+    monkeypatch.setattr(tuning, "FLAT_MAX_NODES", len(graph.nodes))
     assert not ilp.proof_follows(graph, 3)  # 0.3 × 3 s < 1 s
     # Above QUICK_PROOF_MAX_NODES the proof phase needs SLOW_PROOF_MIN_SECONDS.
-    monkeypatch.setattr(ilp, "QUICK_PROOF_MAX_NODES", len(graph.nodes) - 1)
-    monkeypatch.setattr(ilp, "SLOW_PROOF_MIN_SECONDS", 6.0)
+    monkeypatch.setattr(tuning, "QUICK_PROOF_MAX_NODES", len(graph.nodes) - 1)
+    monkeypatch.setattr(tuning, "SLOW_PROOF_MIN_SECONDS", 6.0)
     assert ilp.proof_follows(graph, 20) and not ilp.proof_follows(graph, 19)  # 0.3 × 20 s = 6 s

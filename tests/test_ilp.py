@@ -24,7 +24,8 @@ from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import fix_plan, solve_interruptibly
 from ckptplan.solvers.dp import solve_dp
-from ckptplan.solvers.ilp import build_model, least_peak, solve_ilp
+from ckptplan.solvers.ilp import solve_ilp
+from ckptplan.solvers.ilp_flat import least_peak
 from ckptplan.solvers.ilp_lazy import (
     DEFERRED_PHASES,
     PROOF_ROWS_PER_ROUND,
@@ -36,7 +37,7 @@ from ckptplan.solvers.ilp_lazy import (
     search_lazily,
     symmetric_classes,
 )
-from ckptplan.solvers.ilp_model import COST_SCALE, add_events
+from ckptplan.solvers.ilp_model import COST_SCALE, add_events, build_model
 from ckptplan.solvers.sqrt import least_peak_regions, solve_sqrt
 from tests import models
 from tests.conftest import assert_same_gradients, load_example
@@ -322,11 +323,11 @@ def test_warm_start_is_never_beaten_by_a_stopped_search() -> None:
 def test_a_limit_too_short_to_build_the_model_returns_the_refined_warm_plan() -> None:
     """When the limit cannot pay for building the CP-SAT model (``BUILD_SECONDS_PER_PAIR``), the
     search is skipped: the refined warm plan comes back, the same on every run, and says why."""
-    from ckptplan.solvers import ilp
+    from ckptplan.solvers import ilp_tuning as tuning
 
     graph = chain_graph([100, 300] * 100)
     budget = int(0.6 * baseline_peak_bytes(graph))
-    assert 2 * ilp.BUILD_SECONDS_PER_PAIR * 200 * 128 > 1.0  # the model would take longer than the limit
+    assert 2 * tuning.BUILD_SECONDS_PER_PAIR * 200 * 128 > 1.0  # the model would take longer than the limit
     plans = [solve_ilp(graph, budget, SolveContext.limited(1.0)) for _ in range(2)]
     assert "no CP-SAT search" in plans[0].note
     assert plans[0].regions == plans[1].regions
@@ -392,14 +393,14 @@ def test_ctrl_c_before_the_search_returns_the_cheapest_plan_made_so_far(monkeypa
     """A Ctrl-C outside any CP-SAT search (while plans are refined, or blocks are decomposed)
     still ends ``solve_ilp`` with a plan: the cheapest one made so far, else ``sqrt``'s; and
     raises on when even ``sqrt`` has none."""
-    from ckptplan.solvers import ilp
+    from ckptplan.solvers import ilp, ilp_flat
 
     graph = skip_graph()
     budget = (baseline_peak_bytes(graph) * 9) // 10
-    warm = ilp.warm_plans(graph, budget, SolveContext.limited(5.0))
+    warm = ilp_flat.warm_plans(graph, budget, SolveContext.limited(5.0))
     cheapest = min(warm, key=lambda p: p.cost_seconds)
     assert cheapest.regions != solve_sqrt(graph, budget).regions  # so that the two cases below differ
-    monkeypatch.setattr(ilp, "starting_plan", _interrupt)  # after the warm plans are made
+    monkeypatch.setattr(ilp_flat, "starting_plan", _interrupt)  # after the warm plans are made
     ctx = SolveContext.limited(5)
     plan = solve_ilp(graph, budget, ctx)
     assert plan.regions == cheapest.regions and plan.status == "timeout"

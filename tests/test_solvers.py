@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import cache
+from itertools import pairwise
 
 import pytest
 
@@ -289,7 +290,7 @@ def test_sqrt_records_its_provenance() -> None:
 
 
 def test_auto_says_when_the_graph_is_too_large_for_ilp() -> None:
-    from ckptplan.solvers.ilp import FLAT_MAX_NODES
+    from ckptplan.solvers.ilp_tuning import FLAT_MAX_NODES
 
     graph = without_modules(chain_graph([100] * (FLAT_MAX_NODES + 2)))
     plan = solve(graph, "80%", solver="auto")
@@ -307,11 +308,11 @@ def test_a_solve_reports_its_phases_and_its_best_plan_as_it_goes() -> None:
     phases = [p.phase for p in heard]
     assert {"sqrt", "dp", "ilp"} <= set(phases)
     costs = [p.best_cost_seconds for p in heard if p.best_cost_seconds is not None]
-    assert costs and all(b <= a for a, b in zip(costs, costs[1:], strict=False))
+    assert costs and all(b <= a for a, b in pairwise(costs))
     assert plan.prediction.cost_seconds <= costs[-1] * (1 + 1e-12)
     assert heard[-1].best_peak_bytes is not None and heard[-1].best_peak_bytes <= plan.budget.bytes
     bounds = [p.bound_cost_seconds for p in heard if p.bound_cost_seconds is not None]
-    assert all(b >= a for a, b in zip(bounds, bounds[1:], strict=False))
+    assert all(b >= a for a, b in pairwise(bounds))
 
 
 def test_a_solve_without_a_listener_is_the_same_solve() -> None:
