@@ -57,6 +57,7 @@ class SolveContext:
     cancel: threading.Event = field(default_factory=threading.Event, compare=False)
     board: _Board = field(default_factory=_Board, compare=False, repr=False)
     scored: bool = True  # its plans and bounds are the solve's own (not a sub-graph's or a changed graph's)
+    started: float = field(default_factory=time.perf_counter, compare=False)  # when this phase began
 
     @classmethod
     def limited(
@@ -70,7 +71,12 @@ class SolveContext:
     def within(self, seconds: float) -> SolveContext:
         """A phase of at most ``seconds``, ending no later than this context."""
         seconds = max(0.0, seconds)
-        return replace(self, limit=seconds, deadline=min(self.deadline, time.perf_counter() + seconds))
+        now = time.perf_counter()
+        return replace(self, limit=seconds, deadline=min(self.deadline, now + seconds), started=now)
+
+    def before(self, seconds: float) -> SolveContext:
+        """This context ending ``seconds`` before its deadline (time kept for a later phase)."""
+        return replace(self, deadline=self.deadline - max(0.0, seconds))
 
     def sized(self, seconds: float) -> SolveContext:
         """A phase sized for ``seconds`` (its ``limit``) that may run until this context's deadline."""
@@ -105,6 +111,10 @@ class SolveContext:
         if board.listener is not None:
             board.listener(now)
         return now
+
+    def elapsed(self) -> float:
+        """Wall-clock seconds since this context (or phase) began."""
+        return time.perf_counter() - self.started
 
     def left(self) -> float:
         """Wall-clock seconds until the deadline (0 when past it)."""

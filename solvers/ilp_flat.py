@@ -6,7 +6,6 @@ phases are sized by ``ilp_tuning``."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -41,18 +40,17 @@ def improve_locally(
     budget_bytes: int,
     ctx: SolveContext,
     *,
-    deadline: float,
     deterministic_seconds: float,
     seed: int,
 ) -> tuple[Region, ...]:
     """Large-neighbourhood search from ``regions``: free the decisions of ``tuning.LNS_WINDOW`` nodes at a
     time (stepping by half a window), fix the rest to the incumbent, and keep any cheaper plan
     the simulator confirms; sweep until a sweep finds nothing or CP-SAT's deterministic clock has
-    run ``deterministic_seconds`` in all (``deadline``, wall clock, only backs that up). Each
+    run ``deterministic_seconds`` in all (``ctx``'s deadline, wall clock, only backs that up). Each
     small solve runs to optimality or a deterministic limit, so the result is reproducible."""
     found = [regions]  # the incumbent, kept current so that Ctrl-C loses nothing
     try:
-        _sweeps(model, graph, v, found, budget_bytes, ctx, deadline=deadline, clock=deterministic_seconds, seed=seed)
+        _sweeps(model, graph, v, found, budget_bytes, ctx, clock=deterministic_seconds, seed=seed)
     except KeyboardInterrupt:  # Ctrl-C between two small solves (solve_interruptibly takes it during one)
         ctx.cancel.set()
     return simplify(graph, found[0], budget_bytes)
@@ -66,7 +64,6 @@ def _sweeps(
     budget_bytes: int,
     ctx: SolveContext,
     *,
-    deadline: float,
     clock: float,
     seed: int,
 ) -> None:
@@ -74,15 +71,15 @@ def _sweeps(
     best = found[0]
     best_cost = simulate(graph, best).cost_seconds
     improved = True
-    while improved and clock > 0 and time.perf_counter() < deadline:
+    while improved and clock > 0 and not ctx.over():
         improved = False
         for lo in range(0, max(1, n - tuning.LNS_WINDOW // 2), tuning.LNS_WINDOW // 2):
-            if clock <= 0 or time.perf_counter() >= deadline:
+            if clock <= 0 or ctx.over():
                 break
             sub = model.Clone()
             fix_plan(sub, graph, v, best, free=range(lo, lo + tuning.LNS_WINDOW))
             solver = cp_model.CpSolver()
-            configure(solver, wall_seconds=deadline - time.perf_counter(),
+            configure(solver, wall_seconds=ctx.left(),
                       deterministic_seconds=min(tuning.LNS_DETERMINISTIC_SECONDS, clock), workers=1, seed=seed)
             code = solve_interruptibly(solver, sub, ctx)
             clock -= solver.ResponseProto().deterministic_time
@@ -197,7 +194,7 @@ def solve_flat(
     phase starts from the refined warm plans at once and runs until ``ctx``'s deadline.
     """
     limit = ctx.limit if search_seconds is None else search_seconds
-    end = ctx.within(limit).deadline
+    search = ctx.within(limit)  # the reproducible search ends by its deadline, less the proof's reserve
     if budget_bytes >= baseline_peak_bytes(graph):
         return solution(graph, (), "ilp", status="optimal", gap=0.0, note="the budget holds the step without checkpointing")
     warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, ctx)
@@ -211,7 +208,6 @@ def solve_flat(
     # not (ilp_speed at 60 s: without the reserve the search left GPT at 50% 9 s, no proof).
     reserve = tuning.PROOF_SHARE * limit if tuning.PROOF_SHARE * limit >= tuning.MIN_PROOF_SECONDS else 0.0
     clock = (limit - reserve) * tuning.DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not left: reproducible
-    last = ctx.deadline  # where the proof phase ends
     build_seconds = tuning.BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, window)
     found = None
     if start is not None and not proof_only and limit - reserve < 2 * build_seconds:
@@ -220,19 +216,19 @@ def solve_flat(
                "so the refined warm plan")
     elif proof_only and start is not None:
         ctx.report("ilp: proof phase")
-        found, regions = _proof_phase(graph, budget_bytes, start, ctx, seconds=max(0.1, last - time.perf_counter()),
+        found, regions = _proof_phase(graph, budget_bytes, start, ctx, seconds=max(0.1, ctx.left()),
                                       seed=seed, window=window, bound=0.0, announce=announce)
         status, bound = found.status, found.bound
         blocks_note = next((f" ({p.note})" for p in warm if origin_of(p) == HIERARCHICAL), "")
         how = f"proof phase on the whole graph from the cheapest warm plan{blocks_note}: {found.describe()}"
     else:
         ctx.report("ilp: search")
-        found, regions = _search(graph, budget_bytes, start, ctx, search_end=end - reserve, clock=clock,
+        found, regions = _search(graph, budget_bytes, start, search.before(reserve), clock=clock,
                                  workers=workers, seed=seed, window=window, announce=announce, lazy=lazy,
                                  model_seconds=build_seconds)
         status, bound = found.status, found.bound
         how = f"search: {found.describe()}"
-        left = last - time.perf_counter()
+        left = ctx.left()
         if status == "FEASIBLE" and not ctx.cancelled and left >= tuning.MIN_PROOF_SECONDS:
             ctx.report("ilp: proof phase")
             proof, regions = _proof_phase(graph, budget_bytes, regions, ctx, seconds=left, seed=seed, window=window,
@@ -305,12 +301,11 @@ def _proof_phase(
     """The lazy search with CP-SAT's portfolio (``proof_workers()``) from ``regions`` for
     ``seconds``: its result, and the plan it ends with (``regions`` unless it found a strictly
     cheaper one, which is simplified until ``tuning.SIMPLIFY_GRACE`` of ``seconds`` past them)."""
-    deadline = min(time.perf_counter() + seconds * (1 + tuning.SIMPLIFY_GRACE), ctx.deadline)
     proof = proof_search(graph, budget_bytes, regions, ctx, seconds=seconds, seed=seed, window=window, bound=bound,
                          announce=announce)
     if proof.regions == regions:
         return proof, regions
-    return proof, simplify(graph, proof.regions, budget_bytes, deadline=deadline)
+    return proof, simplify(graph, proof.regions, budget_bytes, ctx=ctx.within(seconds * (1 + tuning.SIMPLIFY_GRACE)))
 
 
 def _search(
@@ -319,7 +314,6 @@ def _search(
     start: tuple[Region, ...] | None,
     ctx: SolveContext,
     *,
-    search_end: float,
     clock: float,
     workers: int,
     seed: int,
@@ -328,13 +322,13 @@ def _search(
     lazy: bool,
     model_seconds: float,
 ) -> tuple[LazyResult, tuple[Region, ...] | None]:
-    """``solve_flat``'s reproducible search from ``start`` until ``search_end`` (a
-    ``time.perf_counter()`` value) or ``clock`` seconds of CP-SAT's deterministic clock: the
+    """``solve_flat``'s reproducible search from ``start`` until ``ctx``'s deadline or ``clock``
+    seconds of CP-SAT's deterministic clock: the
     lazy search with half of both, then ``improve_locally`` if more than ``model_seconds`` (what
     building its model, the whole one, should take) is left. Returns the lazy search's result
     and the plan after both (None when neither found one)."""
     found = search_lazily(
-        graph, budget_bytes, start, ctx, seconds=max(0.1, search_end - time.perf_counter()) * tuning.GLOBAL_SHARE,
+        graph, budget_bytes, start, ctx, seconds=max(0.1, ctx.left()) * tuning.GLOBAL_SHARE,
         workers=workers,
         deterministic_seconds=clock * tuning.GLOBAL_SHARE, seed=seed, window=window, announce=announce,
         # Without a plan to start from, the whole model: its presolve proves an infeasible budget
@@ -345,11 +339,11 @@ def _search(
     if regions is not None and regions != start:
         regions = simplify(graph, regions, budget_bytes)
     # With less time left than its model takes to build, the local search would not free one window.
-    if found.status == "FEASIBLE" and not ctx.cancelled and search_end - time.perf_counter() > model_seconds:
+    if found.status == "FEASIBLE" and not ctx.cancelled and ctx.left() > model_seconds:
         model, v = build_model(graph, budget_bytes, window=window)
         model.Minimize(v.cost)
         regions = improve_locally(
-            model, graph, v, regions, budget_bytes, ctx, deadline=search_end,
+            model, graph, v, regions, budget_bytes, ctx,
             deterministic_seconds=clock * (1 - tuning.GLOBAL_SHARE), seed=seed,
         )
     return found, regions

@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import math
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -283,8 +282,7 @@ def search_lazily(
     only bounds the cost, and hints the search if it lies in the range; a range without plans
     ends ``OPTIMAL``: none is cheaper). Ctrl-C ends the search with the best plan so far, and so
     does ``ctx``'s deadline when it comes before ``seconds`` have passed."""
-    started = time.perf_counter()
-    deadline = min(started + seconds, ctx.deadline)
+    phase = ctx.within(seconds)
     model, v = build_model(graph, budget_bytes, window=window, deferred_phases=deferred_phases)
     if deferred_phases:  # the relaxation's bound rests on them; the whole model's search does better without
         add_bounding_clauses(model, v)
@@ -307,7 +305,7 @@ def search_lazily(
     status, rounds = "UNKNOWN", 0
     scored = announce and within is None  # the whole graph's search: its plans and bound are the solve's
     while not ctx.cancelled:
-        left = deadline - time.perf_counter()
+        left = phase.left()
         if clock is not None and clock < MIN_CLOCK_SECONDS:
             break
         # The first round always runs (for at least MIN_WALL_SECONDS: see ``configure``); later
@@ -317,7 +315,7 @@ def search_lazily(
         rounds += 1
         if hinted is not None:
             hint_complete(model, graph, v, hinted, ctx)
-            left = deadline - time.perf_counter()  # completing the hint solves a copy of the model
+            left = phase.left()  # completing the hint solves a copy of the model
         solver = cp_model.CpSolver()
         configure(solver, wall_seconds=left, deterministic_seconds=left if clock is None else clock,
                   workers=workers, seed=seed)
@@ -364,5 +362,5 @@ def search_lazily(
     return LazyResult(
         status=status, regions=best, cost=cost, bound=min(bound, cost), rounds=rounds, rows=deferred - len(v.deferred),
         deferred=deferred, seeded=seeded, variables=len(proto.variables), constraints=len(proto.constraints),
-        seconds=time.perf_counter() - started,
+        seconds=phase.elapsed(),
     )

@@ -12,12 +12,12 @@ far (``benchmarks/ilp_speed.py --time-limit 6`` measures both).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from ckptplan.graph import ComputeGraph
-from ckptplan.plan import Region
+from ckptplan.region import Region
 from ckptplan.simulation import Report, simulate
+from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_model import keepable
 
 
@@ -101,19 +101,19 @@ def shed_keeps(
 
 
 def simplify(
-    graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int, *, deadline: float | None = None
+    graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int, *, ctx: SolveContext | None = None
 ) -> tuple[Region, ...]:
     """Drop regions and keeps that buy nothing: each is removed, in execution order, when the plan
     without it still fits ``budget_bytes`` and recomputes no more. A stopped search leaves such
     no-ops behind (a one-node region keeping its node, a region around free ops), and every
-    region is a ``checkpoint`` call at run time. ``deadline`` (a ``time.perf_counter()`` value)
-    ends the trials early, with what they removed so far: one simulation per region and keep
+    region is a ``checkpoint`` call at run time. ``ctx``'s deadline (or Ctrl-C) ends the trials
+    early, with what they removed so far: one simulation per region and keep
     adds up on large graphs (see ``ilp_tuning.SIMPLIFY_GRACE``)."""
     best: Report = simulate(graph, regions)
 
     def no_worse(candidate: tuple[Region, ...]) -> bool:
         nonlocal best
-        if deadline is not None and time.perf_counter() >= deadline:
+        if ctx is not None and ctx.over():
             return False
         report = simulate(graph, candidate)
         if report.peak_bytes <= budget_bytes and report.cost_seconds <= best.cost_seconds:
