@@ -8,9 +8,10 @@ solvers at budgets set to those peers' measured peaks.
 Every point is one real CPU training step measured with PyTorch's ``MemTracker``
 (``ckptplan.measure_step``), FLOPs counted with ``FlopCounterMode`` over forward+backward, the
 median step time as a ratio to the no-checkpoint run in the same process, and gradients compared
-with the no-checkpoint run (same seed before every step). The result regenerates the section of
-``benchmarks/RESULTS.md`` between ``<!-- compare:begin -->`` and ``<!-- compare:end -->`` and the
-plots ``benchmarks/plots/compare_<model>.png``; ``--no-write`` prints the section instead.
+with the no-checkpoint run (same seed before every step). The result is written to
+``benchmarks/results/compare.md`` (headed by the command and machine; the tables between
+``<!-- compare:begin -->`` and ``<!-- compare:end -->``) and the plots to
+``benchmarks/plots/compare_<model>.png``; ``--no-write`` prints the section instead.
 It needs the ``bench`` extra (``pip install -e ".[bench]"``): ``torch.compile``'s ``ilp``
 knapsack solver needs ``scipy``, and without it those rows say so.
 """
@@ -48,7 +49,8 @@ log = logging.getLogger("compare")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+RESULTS = ROOT / "benchmarks" / "results" / "compare.md"  # results_file.path("compare")
+TITLE = "ckptplan against what users run today"
 PLOTS = ROOT / "benchmarks" / "plots"
 BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
 MIB = 2**20
@@ -1110,7 +1112,7 @@ def render_section(
     results: Sequence[ModelResult], settings: Settings, seconds: float, plots: dict[str, str], threads: int
 ) -> str:
     """The Markdown between the markers."""
-    lines = [BEGIN, "## ckptplan against what users run today", ""]
+    lines = [BEGIN, ""]
     for paragraph in _method_paragraphs(settings, seconds, threads):
         lines += [paragraph, ""]
     lines += [f"**Overall:** {overall_summary(results)}", ""]
@@ -1119,7 +1121,7 @@ def render_section(
             f"{result.nodes} graph nodes (ckptplan's profile); own copy {result.self_ratio:.2f}× step time; "
             f"{result.seconds:.0f} s for this model."
         )
-        lines += [f"### {result.case.name}: {result.case.title}", "", header, "", render_table(result), ""]
+        lines += [f"## {result.case.name}: {result.case.title}", "", header, "", render_table(result), ""]
         if result.case.name in plots:
             lines += [f"![{result.case.name}: measured peak vs step time and FLOPs]({plots[result.case.name]})", ""]
         lines += [" ".join(result.summary), ""]
@@ -1216,7 +1218,7 @@ def write_section(section: str, path: Path = RESULTS) -> None:
         new = head + section + tail
     else:
         new = text.rstrip("\n") + "\n\n" + section + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".RESULTS.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(new)
@@ -1251,7 +1253,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-write", action="store_true", help="print the section; write no file or plot")
     parser.add_argument("--spell-out", action="store_true",
                         help="profile for ckptplan as --spell-out does: CPU dropout as a one-byte mask and its "
-                             "product, math-kernel attention as its ops (off by default: see RESULTS.md)")
+                             "product, math-kernel attention as its ops (off by default: see results/spell_out.md)")
     parser.add_argument("--no-flops", action="store_true",
                         help=f"skip the {FLOPS_SOLVER} series (auto on a profile priced in FLOPs, spelled out)")
     parser.add_argument("--threads", type=int, default=1,
@@ -1299,11 +1301,14 @@ def main(argv: Sequence[str] | None = None) -> Report:
         for result in results:
             path = PLOTS / f"compare_{result.case.name}.png"
             plot(result, path)
-            plots[result.case.name] = path.relative_to(RESULTS.parent).as_posix()
+            plots[result.case.name] = Path(os.path.relpath(path, RESULTS.parent)).as_posix()
     section = render_section(results, settings, seconds, plots, max(1, options.threads))
     if options.no_write:
         sys.stdout.write(section + "\n")
     else:
+        import results_file  # benchmarks/results_file.py, beside this script (tests load this file alone)
+
+        results_file.write(__file__, TITLE, [])  # this run's command and machine; then the section after them
         write_section(section)
         log.info("wrote %s and %d plots", RESULTS, len(plots))
     log.info("total %.0f s", seconds)

@@ -13,8 +13,8 @@ blocks (``torch.cuda.max_memory_allocated``, what ``verify`` reports), the bytes
 (``requested_bytes`` in ``torch.cuda.memory_stats``: the same allocations before rounding), and
 PyTorch's ``MemTracker`` on the GPU (live tensors only). The first two differ by the allocator's
 rounding, the last two by library workspaces (cuBLAS, cuDNN) that are not tensors; MemTracker
-against the prediction is the memory model's own error. Prints a Markdown table for
-``benchmarks/RESULTS.md``.
+against the prediction is the memory model's own error. Prints a Markdown table and writes it to
+``benchmarks/results/cuda_verify.md``, its rows to ``cuda_verify.json`` (which ``cuda_from_cpu.py`` reads).
 Needs a CUDA device; without one it says so and exits 1 (the test suite never runs it).
 """
 
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import accuracy  # this folder's zoo (a script's own folder is on sys.path)
+import results_file  # benchmarks/results_file.py, beside this script
 import torch
 
 import ckptplan
@@ -136,7 +137,10 @@ def _write_trace(path: Path, graph: ckptplan.ComputeGraph, plan: ckptplan.Plan, 
                                "# predicted: phase, node, live bytes", *predicted, "# plan", plan.to_json()]))
 
 
-def run_case(name: str, build: Callable[[], Any], autocast: str | None, options: argparse.Namespace, out: Any) -> None:
+def run_case(name: str, build: Callable[[], Any], autocast: str | None, options: argparse.Namespace, out: Any,
+             rows: list[dict[str, Any]]) -> None:
+    """Every budget of one case: a line of the table through ``out`` and a row (its cells, and the
+    bytes and fractions behind them) onto ``rows``."""
     torch.manual_seed(0)
     work = build()
     model = work.model.cuda()
@@ -150,7 +154,10 @@ def run_case(name: str, build: Callable[[], Any], autocast: str | None, options:
         try:
             plan = ckptplan.solve(graph, fraction, solver=options.solver, time_limit=options.time_limit)
         except ckptplan.InfeasibleBudgetError as error:
-            out(f"| {name} | {fraction:g} | infeasible (least {format_bytes(error.min_peak_bytes)}) |" + " |" * 8)
+            least = format_bytes(error.min_peak_bytes)
+            out(f"| {name} | {fraction:g} | infeasible (least {least}) |" + " |" * 8)
+            rows.append({"case": name, "budget": fraction, "infeasible_least": least,
+                         "least_bytes": error.min_peak_bytes})
             continue
         result = ckptplan.verify(model, args, plan, kwargs, steps=options.steps, device="cuda")
         emitted = ckptplan.apply(model, args, plan, kwargs)
@@ -162,12 +169,22 @@ def run_case(name: str, build: Callable[[], Any], autocast: str | None, options:
             return f"{(predicted - measured) / measured:+.2%}"  # noqa: B023 (used at once)
 
         grads = "yes" if result.gradients_equal else f"{result.max_grad_error:.1e} (itself {noise:.1e})"
-        out(
-            f"| {name} | {fraction:g} | {plan.solver.name} | {format_bytes(predicted)} | {format_bytes(allocated)} "
-            f"| {error(allocated)} | {error(requested)} | {error(tracked)} "
-            f"| {'yes' if allocated <= plan.budget.bytes else 'NO'} | {grads} "
-            f"| {plan.prediction.overhead:.1%} / {result.step_overhead:+.1%} |"
-        )
+        row = {
+            "case": name, "budget": fraction, "solver": plan.solver.name, "predicted_peak": format_bytes(predicted),
+            "allocated_peak": format_bytes(allocated), "error_vs_allocated": error(allocated),
+            "error_vs_requested": error(requested), "error_vs_memtracker": error(tracked),
+            "allocated_within_budget": "yes" if allocated <= plan.budget.bytes else "NO", "gradients_equal": grads,
+            "overhead_predicted_measured": f"{plan.prediction.overhead:.1%} / {result.step_overhead:+.1%}",
+        }
+        out(f"| {name} | {fraction:g} | {row['solver']} | {row['predicted_peak']} | {row['allocated_peak']} "
+            f"| {row['error_vs_allocated']} | {row['error_vs_requested']} | {row['error_vs_memtracker']} "
+            f"| {row['allocated_within_budget']} | {grads} | {row['overhead_predicted_measured']} |")
+        rows.append({
+            **row, "budget_bytes": plan.budget.bytes, "predicted_bytes": predicted, "allocated_bytes": allocated,
+            "requested_bytes": requested, "memtracker_bytes": tracked, "overhead_predicted": plan.prediction.overhead,
+            "overhead_measured": result.step_overhead, "max_grad_error": result.max_grad_error,
+            "self_difference": noise,
+        })
         if options.traces and abs(predicted - tracked) > 0.01 * tracked and options.max_traces > 0:
             options.max_traces -= 1
             _write_trace(options.traces / f"{name}_{fraction:g}.txt", graph, plan, _op_trace(emitted, args, kwargs, dtype))
@@ -199,8 +216,12 @@ def main() -> int:
     if options.traces:
         options.traces.mkdir(parents=True, exist_ok=True)
 
+    lines: list[str] = []
+    rows: list[dict[str, Any]] = []
+
     def out(line: str) -> None:
         print(line, flush=True)
+        lines.extend(line.split("\n"))
         if options.out:
             with options.out.open("a") as handle:
                 handle.write(line + "\n")
@@ -215,13 +236,31 @@ def main() -> int:
     for name in options.cases or list(table):
         build, autocast = table[name]
         try:
-            run_case(name, build, autocast, options, out)
+            run_case(name, build, autocast, options, out, rows)
         except Exception:  # noqa: BLE001 (one broken case must not cost the rest of a device lease)
             failures += 1
             out(f"| {name} | failed: see the log |" + " |" * 9)
+            rows.append({"case": name, "failed": "see the log"})
             traceback.print_exc()
         torch.cuda.empty_cache()
+    results_file.write(__file__, TITLE, lines, about=ABOUT, rows=rows)
     return 1 if failures else 0
+
+
+TITLE = "Predicted against measured peak on a GPU (CUDA)"
+ABOUT = (
+    "Each case is moved to the GPU, profiled there with `target=\"cuda\"`, solved at the budget (a fraction of its "
+    "no-checkpoint peak), and checked with `ckptplan.verify(..., device=\"cuda\")` plus three measurements of the "
+    "emitted module's step, each the peak above the memory resident before the step plus the module's state and "
+    "inputs: **allocated**, `torch.cuda.max_memory_allocated` (the caching allocator's blocks, what `verify` "
+    "reports); **requested**, the `requested_bytes` peak of `torch.cuda.memory_stats` (the same allocations before "
+    "the allocator rounds them); **MemTracker**, PyTorch's `MemTracker` on the GPU (live tensors only). The cases: the "
+    "three examples at their default sizes, the GPT example under bf16 autocast, four of Korthikanti et al.'s GPT "
+    "layers in bf16 (width 2048, 16 heads, 2 × 1024 tokens), and `accuracy.py`'s zoo, in bf16 where the zoo runs it. "
+    "\"Gradients equal\" compares with the untouched model (`verify`'s tolerance); where they differ, the largest "
+    "difference is given beside the model's difference from itself over two seeded steps. The measured overhead is "
+    "the emitted module's median step time over the model's."
+)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ For the GPT example (6 blocks, smaller batch) and a Linear/Tanh stack: ``profile
 ShardSpec(world))`` and ``solve`` at several per-rank budgets, once; then every rank applies the
 plan (``ckptplan.apply``), shards the model's blocks and the emitted module with ``fully_shard``,
 runs two training steps on the same data, and reports MemTracker's peak of the second step and
-whether the gathered gradients equal a single-process step's. Prints Markdown.
+whether the gathered gradients equal a single-process step's. Prints Markdown and writes it to
+``benchmarks/results/fsdp_ranks.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import platform
 import socket
 from pathlib import Path
 
+import results_file  # benchmarks/results_file.py, beside this script
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -120,5 +122,15 @@ def main() -> None:
                       f"{'yes' if error <= 1e-5 else f'no ({error:.2g})'} |", flush=True)
 
 
+TITLE = "Per-rank peak under FSDP2, predicted against measured"
+ABOUT = (
+    "Two gloo ranks on CPU. Each plan is solved once for one rank (`profile(..., shard=ShardSpec(2))`), every rank "
+    "applies it (`ckptplan.apply`), shards the model's blocks and the emitted module with `fully_shard`, and runs "
+    "two steps on the same data; the peak is MemTracker's for the second step, the gradients are gathered "
+    "(`full_tensor()`) and compared with a single-process step. The prediction allows, in forward, for the "
+    "prefetched all-gather and the reduce-scatter buffer (`ckptplan/sharding.py`)."
+)
+
 if __name__ == "__main__":
-    main()
+    with results_file.recorded(__file__, TITLE, ABOUT):
+        main()

@@ -7,7 +7,7 @@ AdamW, CUDA's kernels: 1-byte dropout masks), then compares, at the per-rank bud
 transformer block (``gradient_checkpointing_enable``), Chen's √N segments (``sqrt``) — with
 ``auto``. Every number is the simulator's (no GPU runs here); recompute is reported both as the
 roofline estimate of the step (``overhead``) and as recomputed forward FLOPs over one forward
-pass's FLOPs. Prints Markdown.
+pass's FLOPs. Prints Markdown and writes it to ``benchmarks/results/gpt3_seed.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import platform
 import time
 from pathlib import Path
 
+import results_file  # benchmarks/results_file.py, beside this script
 import torch
 
 import ckptplan
@@ -108,5 +109,14 @@ def korthikanti(graph: ckptplan.ComputeGraph) -> str:
             f"{formula / GB:.2f} GB for their layer ({per_layer / formula:.2f}x).")
 
 
+TITLE = "GPT-3 175B on 80 GB GPUs, 64-way FSDP2"
+ABOUT = (
+    "`examples/gpt3_175b.py`, one sequence of 2048 tokens per rank, profiled on the meta device for CUDA's kernels "
+    "(`target=\"cuda\"` in its `TRAINING`: dropout keeps 1-byte masks); every number is the simulator's per-rank "
+    "prediction (no GPU runs here). Overhead is the roofline estimate of the step; \"recomputed / forward FLOPs\" "
+    "the recomputed forward FLOPs over one forward pass's."
+)
+
 if __name__ == "__main__":
-    main()
+    with results_file.recorded(__file__, TITLE, ABOUT):
+        main()

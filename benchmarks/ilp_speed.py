@@ -13,7 +13,8 @@ the proof phase follows it at once, 70% up to 400 nodes and half above: ``ilp.pr
 the plan the search starts from (the cheapest of those, refined by ``solvers.refine``); "gap" is
 CP-SAT's proven relative gap (1.0: no lower bound better than zero was proven), "proof phase"
 what the proof phase (``solvers.ilp_lazy``, ``proof_workers()`` workers) needed of the memory rows it leaves
-out (absent when the reproducible search proved the plan itself). Prints a Markdown table.
+out (absent when the reproducible search proved the plan itself). Prints a Markdown table and
+writes it to ``benchmarks/results/ilp_speed.md``.
 
 ``--limits 2,6,15``: instead, ``ilp`` (or with ``--solver auto``, ``auto``) at each of those time
 limits: the seconds it took against the limit asked, and the plan's overhead (does it keep to
@@ -34,6 +35,7 @@ import platform
 import time
 from pathlib import Path
 
+import results_file  # benchmarks/results_file.py, beside this script
 import torch
 
 import ckptplan
@@ -207,5 +209,18 @@ def main() -> None:
                   f"{gap} | {seconds:.1f} | {proof} |", flush=True)
 
 
+TITLE = "`ilp` against `dp` and `sqrt`"
+ABOUT = (
+    "Each graph at 70% and 50% of its no-checkpoint peak; the solvers in one process. \"overhead\" is the predicted "
+    "recompute overhead (`Plan.prediction.overhead`; lower is better), \"gap\" the proven relative gap (1.00: no "
+    "lower bound above zero was proven), \"ilp s\" the `ilp` wall time including its warm starts and model building, "
+    "\"s\" what the block-by-block plan took alone, given the whole limit, \"start overhead\" that of the plan the "
+    "search starts from (the cheapest warm plan after `solvers/refine.py`), \"proof phase\" what the proof phase "
+    "needed of the memory rows it leaves out. \"variables\" and \"constraints\" are the whole model's. `ilp`'s plan "
+    "space is one level of regions with per-op keep-sets; `dp`'s is nested regions without keeps, so neither "
+    "contains the other."
+)
+
 if __name__ == "__main__":
-    main()
+    with results_file.recorded(__file__, TITLE, ABOUT):
+        main()

@@ -6,7 +6,7 @@
 Profiles ``examples/korthikanti_gpt.py`` (GPT-3 175B's shape by default, bf16, on the meta
 device, for the target its ``TRAINING`` names: CUDA's kernels) and compares the bytes autograd saves for backward per transformer layer
 (``ComputeGraph.activation_bytes`` restricted to one layer's nodes) with the paper's count,
-term by term. Prints Markdown.
+term by term. Prints Markdown and writes it to ``benchmarks/results/korthikanti.md``.
 
 A layer's bytes are those of the non-resident storages its nodes save for backward (nodes whose
 module path is ``layers.<i>`` or below), each storage once. The first LayerNorm saves the layer's
@@ -367,5 +367,16 @@ def main(argv: list[str] | None = None) -> None:
     print(render(measure(shape, target=options.target), command))
 
 
+TITLE = "Activation bytes per layer against Korthikanti et al. (2022)"
+ABOUT = (
+    "The layer of Korthikanti et al., \"Reducing Activation Recomputation in Large Transformer Models\" (2022), "
+    "§4.1, eq. 1, which stores s·b·h·(34 + 5as/h) bytes for backward with 16-bit activations and 1-byte dropout "
+    "masks: `examples/korthikanti_gpt.py` (pre-LayerNorm, explicit softmax attention with dropout, 4h GELU MLP, "
+    "dropout after both projections, bf16), profiled on the meta device for the target's kernels."
+)
+
 if __name__ == "__main__":
-    main()
+    import results_file  # benchmarks/results_file.py, beside this script (tests load this file alone)
+
+    with results_file.recorded(__file__, TITLE, ABOUT):
+        main()

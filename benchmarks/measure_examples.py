@@ -4,7 +4,7 @@ check as a Markdown table.
 
     python benchmarks/measure_examples.py [--budget 0.6] [--solver auto]
 
-The first table of ``docs/results.md`` is this script's output.
+Writes ``benchmarks/results/measure_examples.md``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import platform
 import time
 from pathlib import Path
 
+import results_file  # benchmarks/results_file.py, beside this script
 import torch
 
 import ckptplan
@@ -78,5 +79,12 @@ def main() -> None:
         )
 
 
+TITLE = "Predicted against measured peak on the examples"
+ABOUT = ("Each example solved at the budget (a fraction of its no-checkpoint peak), one real CPU training step of "
+         "the emitted module measured as the allocator counts it (`ckptplan.measure_step`), gradients compared with "
+         "the original model's. Recompute overhead: the roofline estimate of the recomputed forward time over the "
+         "step's forward plus backward time (`Plan.prediction.overhead`).")
+
 if __name__ == "__main__":
-    main()
+    with results_file.recorded(__file__, TITLE, ABOUT):
+        main()

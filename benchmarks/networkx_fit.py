@@ -12,6 +12,7 @@ which every networkx row needs once per graph on top of its own time.
 
 from __future__ import annotations
 
+import argparse
 import platform
 import random
 import sys
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import networkx as nx
+import results_file  # benchmarks/results_file.py, beside this script
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -29,7 +31,6 @@ from ckptplan.solvers.chain import stage_starts
 from tests.synthetic import dag_graph
 
 NODES = 5_000
-RESULTS = Path(__file__).resolve().parent / "results" / "networkx_fit.md"
 
 
 def synthetic(n: int, seed: int = 0):
@@ -69,6 +70,7 @@ def nx_clean_cuts(graph, g: nx.DiGraph) -> list[int]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     lines: list[str] = []
 
     def out(line: str) -> None:  # a row to the screen and to the results file
@@ -120,10 +122,8 @@ def main() -> None:
     assert hand_all() == [nx_closure(x) for x in range(n)]
     out(f"| recompute closures, every node | {best_ms(hand_all):.1f} "
           f"| {best_ms(lambda: [nx_closure(x) for x in range(n)]):.1f} |")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(["# networkx against the hand-written sweeps", "",
-                                   "`python benchmarks/networkx_fit.py`; best of five runs, equal results asserted.",
-                                   "", *lines, ""]))
+    results_file.write(__file__, "networkx against the hand-written sweeps", lines,
+                       about="Best of five runs, equal results asserted.")
 
 
 if __name__ == "__main__":

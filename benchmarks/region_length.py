@@ -7,7 +7,8 @@ profiled as the CLI's ``--costs here`` does. For one region over the first L nod
 keeping every 8th or every other node), it prints what ``simulate`` charges (recompute plus the
 checkpoint machinery, and the part of that charged per node inside a region) and what the region
 measurably adds: the median, over interleaved pairs, of a step with the region minus the plain
-step timed right after it. Prints a markdown table (stdout).
+step timed right after it. Prints a markdown table (stdout) and writes it to
+``benchmarks/results/region_length.md``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 from collections.abc import Sequence
 
 import compare  # benchmarks/compare.py: its timed training step
+import results_file  # benchmarks/results_file.py, beside this script
 import torch
 from torch import nn
 
@@ -67,5 +69,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"{graph.region_op_cost * length * 1e3:.2f} | {added * 1e3:.2f} |")
 
 
+TITLE = "What a checkpoint region costs as it grows"
+ABOUT = (
+    "A chain of 32 × (Linear + tanh), batch 4, so that a step is almost all fixed costs, profiled as `--costs here` "
+    "does; one region over its first L nodes, plain or keeping every 8th or every other node (those that may be "
+    "kept). \"Charged\" is what `simulate` adds to the step (recompute and checkpoint machinery), \"measured\" the "
+    "median over interleaved pairs of a step with the region minus the plain step timed right after it (one torch "
+    "thread). The fixed costs `measure_roofline` calibrates (first line) and the step times both move from run to "
+    "run on a shared machine."
+)
+
 if __name__ == "__main__":
-    main()
+    with results_file.recorded(__file__, TITLE, ABOUT):
+        main()

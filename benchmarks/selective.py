@@ -7,7 +7,8 @@ Megatron's selective recompute (Korthikanti et al. 2022) keeps the matmul output
 recomputes the attention core and the pointwise ops: right where matmuls dominate the step.
 Each model is built on the meta device (8 layers, batch 4 × 256 tokens, 64-wide heads) and
 planned at ``fraction`` of its activation bytes above the resident state, priced by the
-default A100 roofline. Prints a Markdown table.
+default A100 roofline. Prints a Markdown table and writes it to
+``benchmarks/results/selective.md``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import importlib.util
 from collections import Counter
 from pathlib import Path
 
+import results_file  # benchmarks/results_file.py, beside this script
 import torch
 
 import ckptplan
@@ -81,5 +83,15 @@ def main() -> None:
               f"{len(plan.regions)} | {show(kept)} | {show(recomputed)} |")
 
 
+TITLE = "Selective recompute, found by the solver"
+ABOUT = (
+    "The GPT example's architecture at 8 layers (batch 4 × 256 tokens, 64-wide heads) on the meta device, at its "
+    "own width and at 1024, planned by `ilp` at the resident state plus a fraction of the activation bytes, priced "
+    "by the default A100 roofline: what the plan keeps, and what its regions recompute, by op kind (views omitted). "
+    "Which ops are cheap to recompute depends on the shapes: at a small width a matmul is memory-bound and costs "
+    "less to recompute than the GELU after it."
+)
+
 if __name__ == "__main__":
-    main()
+    with results_file.recorded(__file__, TITLE, ABOUT):
+        main()

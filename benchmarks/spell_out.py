@@ -15,7 +15,8 @@ one per layer, each around the layer's 512→128 ``linear`` (recomputed), the sa
 output (nothing recomputed: the policy's cost alone), and around an ``add`` that saves nothing
 (never recomputed: the region's cost alone); forward and backward timed apart, per region.
 Last, what the default A100 prices say a composite kernel costs, whole and spelled out: the
-GPT example's first attention and the whole step. Prints Markdown.
+GPT example's first attention and the whole step. Prints Markdown and writes it to
+``benchmarks/results/spell_out.md``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import statistics
 import time
 
 import compare  # benchmarks/compare.py: its BERT, its cost model and its measurement
+import results_file  # benchmarks/results_file.py, beside this script
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -184,5 +186,17 @@ def print_costs(work: compare.Workload, repeats: int) -> None:
         print(row)
 
 
+TITLE = "Spelled-out composites and checkpointing's fixed costs on CPU"
+ABOUT = (
+    "compare.py's BERT classifier at the budget (by default 28.6 MiB, the peak torch.compile measured there at "
+    "`activation_memory_budget` 0.8), profiled as compare.py does (`--costs here`), planned by `ilp` with its "
+    "kernels whole and with `spell_out=True` (scaled-dot-product attention as its scaling, matmuls, softmax and "
+    "dropout; every dropout as a one-byte mask and its product), at compare.py's 6 s and the default 60 s, each plan "
+    "measured as compare.py measures a point. \"costs\": what the cost model charges for checkpointing itself "
+    "against what it costs on this model, per region, forward and backward timed apart. \"pricing\": what the "
+    "default A100 prices say a composite kernel costs, whole and spelled out."
+)
+
 if __name__ == "__main__":
-    main()
+    with results_file.recorded(__file__, TITLE, ABOUT):
+        main()
