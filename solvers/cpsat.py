@@ -22,7 +22,7 @@ MIN_WALL_SECONDS = 1.0  # the wall-clock backup of even the shortest search
 # 2 cores: the 555-node GPT-2 at 70% ended with a gap of 0.05 with reduced-cost fixing as the
 # second worker, and is proven in 57.5 s with the tree search). On the smaller rows of
 # ``ilp_speed.py --proof-only`` CP-SAT's default 8-worker portfolio took 5.7-40.0 s, these 3
-# workers 2.7-9.9 s (``benchmarks/RESULTS.md``).
+# workers 2.7-9.9 s (``benchmarks/results/ilp_speed.md``).
 FULL_PORTFOLIO_WORKERS = 8
 BOUND_SUBSOLVERS = ("max_lp_sym", "lb_tree_search")
 

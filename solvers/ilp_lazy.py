@@ -21,7 +21,7 @@ with ``proof_workers()``, a CP-SAT portfolio whose LP-based workers raise the lo
 the proof phase. Measured with ``benchmarks/ilp_speed.py --proof-only`` (2 cores, from the
 block-by-block plan): the U-Net, ResNet, GPT example and GPT-2s of up to 1,006 nodes, at 70%
 and 50% of their peaks, proven optimal in 2-19 s each, except the 1,006-node GPT-2 at 70% (gap
-0.03; ``benchmarks/RESULTS.md``); on the whole model without row generation the GPT example
+0.03; ``benchmarks/results/ilp_speed.md``); on the whole model without row generation the GPT example
 never got a bound above zero in 60 s. That one plan's whole cost is recomputing 17 of the 23
 blocks' attention: from such a plan the proof phase searches only the plans recomputing fewer
 (``fewer_of_a_class``), and proved it in 12.6 s.

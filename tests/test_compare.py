@@ -76,7 +76,7 @@ def _section_structure(compare: ModuleType, quick: tuple[Any, str, list[str]]) -
     assert len(rows) == len(result.points)
     assert all(len(row) == 7 for row in rows)
     assert result.summary and all(sentence.endswith(".") for sentence in result.summary)
-    assert writes == []  # --no-write writes neither RESULTS.md nor plots
+    assert writes == []  # --no-write writes neither the results file nor plots
 
 
 def _reference_row(quick: tuple[Any, str, list[str]]) -> None:
@@ -156,7 +156,7 @@ def _plot_writes_a_png(compare: ModuleType, quick: tuple[Any, str, list[str]], t
 
 def test_rises_finds_where_a_lower_budget_measured_a_higher_peak(compare: ModuleType) -> None:
     """The monotonicity sentences: BERT's knob measured 28.6, 24.4 and 28.7 MiB at 0.8, 0.5 and
-    0.2 (RESULTS.md), a rise; ckptplan's budgets here fall with their peaks."""
+    0.2 (benchmarks/results/compare.md), a rise; ckptplan's budgets here fall with their peaks."""
     from types import SimpleNamespace
 
     def point(group: str, peak_mib: float, **fields: Any) -> Any:

@@ -1,8 +1,8 @@
 """Attention for a CUDA target: ``profile(..., target="cuda")`` of a model faked on CPU or meta
 records the fused kernel CUDA runs, not the CPU's math kernel (``profiler/cuda_attention.py``).
 
-The anchors are RESULTS.md's H200 table (``benchmarks/cuda_verify.py``): the GPT example profiled
-*on the GPU* predicted 220.1 MiB (fp32) and 135.4 MiB (bf16 autocast) without checkpointing, and
+The anchors are the H200 rows of ``benchmarks/results/cuda_verify.json`` (``cuda_verify.py``):
+the GPT example profiled *on the GPU* predicted 220.1 MiB (fp32) and 135.4 MiB (bf16 autocast) without checkpointing, and
 the H200 measured 220.1 MiB allocated and MemTracker within 0.01% of each. The same model
 profiled here, for CUDA, must predict the same.
 """
