@@ -208,8 +208,10 @@ def test_cli_verify_runs_an_autocast_plans_step(tmp_path: Path) -> None:
     model_file.write_text(TINY + "\nTRAINING = {'autocast': 'bf16'}\n")
     plan_file = tmp_path / "plan.json"
     runner = CliRunner()
+    # 0.95: the bf16 linears' measured workspaces grow with the intra-op threads (one per pytest-xdist
+    # worker, two alone), and sqrt's least is 0.90 of the peak with two.
     solved = runner.invoke(
-        app, ["solve", str(model_file), "--budget", "0.9", "--solver", "sqrt", "--out", str(plan_file)],
+        app, ["solve", str(model_file), "--budget", "0.95", "--solver", "sqrt", "--out", str(plan_file)],
         catch_exceptions=False,
     )
     assert solved.exit_code == 0, solved.output
