@@ -279,3 +279,26 @@ def test_regions_that_draw_random_numbers_hold_the_rng_state_they_replay() -> No
     with_stash = ckptplan.simulate(graph, [Region(0, 4)]).peak_bytes
     without = ckptplan.simulate(dataclasses.replace(graph, rng_state_bytes=0), [Region(0, 4)]).peak_bytes
     assert with_stash - without == 5056
+
+
+def test_the_allocator_counts_the_compiled_step_not_eager() -> None:
+    """``measure_step`` reads the allocator, which sees the step ``torch.compile`` runs: the
+    partitioner's memory budget moves the measured peak (under ``MemTracker``, a dispatch mode,
+    Dynamo falls back to eager and the knob would change nothing)."""
+    import torch._functorch.config as functorch_config
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[
+        torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        for _ in range(4)
+    ])  # normalisation and GELU: pointwise work the partitioner recomputes under a budget
+    args = (torch.randn(1024, 64),)
+    peaks = {}
+    for budget in (1.0, 0.1):
+        torch._dynamo.reset()
+        with functorch_config.patch(activation_memory_budget=budget):
+            compiled = torch.compile(model, backend="aot_eager_decomp_partition")
+            ckptplan.measure_step(compiled, args)  # compiles
+            peaks[budget] = ckptplan.measure_step(compiled, args).peak_bytes
+    torch._dynamo.reset()
+    assert peaks[0.1] < peaks[1.0]
