@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import os
 from pathlib import Path
 from types import ModuleType
@@ -20,6 +21,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under ``pytest -n N`` the workers share the machine's cores: one intra-op thread each, so
     # that N workers do not run 2N threads on N cores.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """The CLI's ``-v`` configures the process's logging; each test leaves it as it found it."""
+    logger = logging.getLogger("ckptplan")
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
 
 
 def load_example(name: str) -> ModuleType:

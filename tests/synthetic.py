@@ -122,57 +122,8 @@ def skip_graph(*, param_bytes: int = 48, input_bytes: int = 400, mask_bytes: int
     ``cat`` (6), so its output lives across nodes 2..5; ``drop`` (3) draws random numbers (so it
     cannot be kept) and saves a hidden mask of ``mask_bytes``; the loss (8) is the only output
     and the backward root."""
-    storages: list[Storage] = [Storage(index=0, nbytes=input_bytes, kind="input")]
-    nodes: list[Node] = []
-    out_of: dict[int, int] = {}
-    for i, (name, op, inputs, nbytes, saves, flops, has_weight) in enumerate(_SKIP_LAYOUT):
-        param: tuple[int, ...] = ()
-        if has_weight:
-            param = (len(storages),)
-            storages.append(Storage(index=len(storages), nbytes=param_bytes, kind="param", trainable=True))
-        out_of[i] = len(storages)
-        storages.append(Storage(index=len(storages), nbytes=nbytes, kind="activation", producer=i))
-        saved: list[int] = []
-        if "in" in saves:
-            saved.extend([out_of[j] for j in inputs] or [0])  # storage 0: the graph input
-        if "out" in saves:
-            saved.append(out_of[i])
-        if "mask" in saves:
-            saved.append(len(storages))
-            storages.append(Storage(index=len(storages), nbytes=mask_bytes, kind="hidden", producer=i))
-        nodes.append(
-            Node(
-                index=i,
-                name=name,
-                op=op,
-                module=name if has_weight else "",
-                inputs=inputs,
-                outputs=(out_of[i],),
-                saved=tuple(saved),
-                grad_inputs=inputs,
-                param_grads=param,
-                requires_grad=True,
-                random=op == "aten.dropout.default",
-                output_bytes=nbytes,
-                fwd_flops=flops,
-                bwd_flops=2 * flops,
-                fwd_cost=_cost(flops),
-                bwd_cost=_cost(2 * flops),
-            )
-        )
-    total_param_bytes = sum(s.nbytes for s in storages if s.kind == "param")
-    last = len(nodes) - 1
-    return ComputeGraph(
-        name="skip",
-        nodes=tuple(nodes),
-        storages=tuple(storages),
-        static=StaticMemory(
-            param_bytes=total_param_bytes, buffer_bytes=0, input_bytes=input_bytes, grad_bytes=total_param_bytes
-        ),
-        outputs=(last,),
-        loss_nodes=(last,),
-        inputs=(TensorSpec(shape=(input_bytes // 4,), dtype="float32"),),
-    )
+    return layout_graph(_SKIP_LAYOUT, name="skip", param_bytes=param_bytes, input_bytes=input_bytes,
+                        mask_bytes=mask_bytes)
 
 
 def dag_graph(reads: Sequence[Sequence[int]], act_bytes: Sequence[int], *, outputs: Sequence[int] = ()) -> ComputeGraph:

@@ -72,16 +72,6 @@ def build():
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """``-v`` configures the process's logging; undo it for the other tests."""
-    logger = logging.getLogger("ckptplan")
-    level, handlers = logger.level, list(logger.handlers)
-    yield
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
-
-
 def invoke(*args: object) -> Result:
     """Run the CLI in-process. Unexpected exceptions propagate (they are bugs); user errors must
     never show a traceback."""

@@ -4,7 +4,6 @@ each module's outputs contribute as checkpoint-region inputs. Synthetic graphs k
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,6 @@ from tests.synthetic import chain_graph
 
 runner = CliRunner()
 
-
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """``-v`` configures the process's logging; undo it for the other tests."""
-    logger = logging.getLogger("ckptplan")
-    level, handlers = logger.level, list(logger.handlers)
-    yield
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
 ACT_BYTES = [100, 100, 400, 400, 100, 100, 300, 300]
 
 
