@@ -66,6 +66,7 @@ def make_plan(
             autocast=graph.autocast,
             target=graph.target,
             spell_out=graph.spelled_out,
+            outputs_live=graph.outputs_live,
         ),
         budget=budget or BudgetInfo(requested=str(report.peak_bytes), bytes=report.peak_bytes),
         solver=solver or SolverInfo(name="manual", status="feasible", seconds=0.0),

@@ -221,6 +221,10 @@ class ComputeGraph:
     # The loss is the model's own scalar output (``loss_scalar_bytes`` 0), which the caller holds
     # as ``loss`` through backward.
     loss_is_output: bool = False
+    # The caller keeps the model's outputs through backward (``out = model(x); loss(out).backward()``
+    # with ``out`` still bound, as a plain loop does); False: it drops them once the loss is made
+    # (``Trainer``, Lightning, torchtitan), so they die with forward unless backward needs them.
+    outputs_live: bool = False
     # What a checkpoint region that draws random numbers stashes of the RNG state where the step
     # runs, to replay its stream when recomputing (``torch.get_rng_state()``: the CPU generator's
     # 5,056 bytes; on CUDA the states are CPU tensors, 0 bytes of device memory). Held with the

@@ -50,7 +50,8 @@ class ModelInfo(_Frozen):
     ``torch.autocast`` with (None: no autocast); ``target``: the device kind whose kernels its
     bytes follow (``profiler.profile``). Plans written before either existed have None, and were
     fingerprinted as ``"cpu"`` ones. ``spell_out``: its composite kernels ran as their parts
-    (``profile(..., spell_out=True)``)."""
+    (``profile(..., spell_out=True)``). ``outputs_live``: the step it plans keeps the model's
+    outputs through backward (``profile(..., outputs_live=True)``); written only when it does."""
 
     name: str
     fingerprint: str
@@ -60,6 +61,7 @@ class ModelInfo(_Frozen):
     autocast: Literal["bfloat16", "float16"] | None = None
     target: Literal["cpu", "cuda"] | None = None
     spell_out: bool = False
+    outputs_live: bool = False
 
 
 class BudgetInfo(_Frozen):
@@ -155,6 +157,8 @@ class Plan(_Frozen):
             del raw["remat"]  # plans without it read as before, by earlier versions too
         if raw["solver"]["origin"] is None:
             del raw["solver"]["origin"]  # likewise
+        if not raw["model"]["outputs_live"]:
+            del raw["model"]["outputs_live"]  # likewise
         return json.dumps(raw, indent=2, sort_keys=False) + "\n"
 
     @classmethod

@@ -32,7 +32,8 @@ The model of PyTorch (2.x, eager, non-reentrant ``torch.utils.checkpoint``) it e
   (``profiler.loss``) as a broadcast view, which view ops hand on as it is, and which the first
   gradient added to it replaces by a full-size sum. The scalar ``out.sum()`` made
   (``graph.loss_scalar_bytes``) lives from the end of forward to the end of the step, and so
-  does a model's own scalar loss (``graph.loss_is_output``), which the caller holds.
+  does a model's own scalar loss (``graph.loss_is_output``), which the caller holds; with
+  ``graph.outputs_live`` the caller holds every output of the model to the end of the step.
 
 Peak = the most bytes live at any op, resident state (parameters, buffers, inputs, optimizer
 state) included.
@@ -468,6 +469,7 @@ class _Simulator:
         self._run_forward(0, self.n - 1, 0, None, {})
         steps = {step.node: step for step in gradient_steps(g)}
         _begin_backward(mem, g)
+        _hold_outputs(mem, g)
         for i in reversed(range(self.n)):
             step = steps.get(i)
             if step is not None:
@@ -626,6 +628,17 @@ def _begin_backward(mem: _Memory, graph: ComputeGraph) -> None:
     mem.hold((-SEED, 0), graph.seed_bytes, ("root",))
     for i in graph.loss_nodes:
         mem.hold((-SEED, 0), graph.seed_bytes, ("grad", i))
+
+
+def _hold_outputs(mem: _Memory, graph: ComputeGraph) -> None:
+    """The model's outputs, held by the caller to the end of the step when it keeps them
+    (``graph.outputs_live``). Storages, which solvers model themselves (``gradient_bytes``
+    leaves them out)."""
+    if graph.outputs_live:
+        for i in graph.outputs:
+            for s in graph.nodes[i].outputs:
+                if not graph.storages[s].is_static:
+                    mem.hold((s, 0), graph.storages[s].nbytes, ("caller",))
 
 
 def _begin_gradients(mem: _Memory, graph: ComputeGraph, step: GradientStep) -> None:

@@ -144,6 +144,13 @@ SpellOutOpt = Annotated[
         help="Run composite kernels as their parts, each a node plans can keep or recompute: attention that takes PyTorch's math kernel (softmax, dropout, matmuls) and, for cpu, dropout as a one-byte mask (a quarter of fp32 noise's bytes) and its product. More choices; ilp needs more time for them.",
     ),
 ]
+OutputsLiveOpt = Annotated[
+    bool,
+    typer.Option(
+        "--outputs-live",
+        help="Plan the step of a loop that keeps the model's outputs through backward (out = model(x); loss(out).backward() with out still bound: a causal LM's logits, say). Without it the outputs die once the loss is made, as in Trainer, Lightning and torchtitan.",
+    ),
+]
 RematOpt = Annotated[
     bool | None,
     typer.Option(
@@ -207,6 +214,7 @@ def solve(
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
     spell_out: SpellOutOpt = False,
+    outputs_live: OutputsLiveOpt = False,
     costs: CostsOpt = Costs.a100,
     remat: RematOpt = None,
     time_limit: Annotated[
@@ -228,7 +236,8 @@ def solve(
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
         log.info("profiling %s", loaded.source)
         graph = _profile(
-            loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out
+            loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out,
+            outputs_live,
         )
     log.info("solving %s (%d nodes) with %s", graph.name, len(graph.nodes), solver)
     with _solving(graph, solver) as on_progress:
@@ -257,13 +266,15 @@ def profile(
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
     spell_out: SpellOutOpt = False,
+    outputs_live: OutputsLiveOpt = False,
     costs: CostsOpt = Costs.a100,
 ) -> None:
     """Show where one training step's memory and FLOPs go, per module and per op."""
     with load_model(model) as loaded:
         log.info("profiling %s", loaded.source)
         graph = _profile(
-            loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out
+            loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out,
+            outputs_live,
         )
     summary = summarize(graph)
     if json_output:
@@ -343,6 +354,7 @@ def sweep(
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
     spell_out: SpellOutOpt = False,
+    outputs_live: OutputsLiveOpt = False,
     costs: CostsOpt = Costs.a100,
     remat: RematOpt = None,
 ) -> None:
@@ -358,7 +370,8 @@ def sweep(
         check_plan_target(plot, overwrite=True)
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
         graph = _profile(
-            loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out
+            loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out,
+            outputs_live,
         )
     with _progress(f"solving {graph.name} at {len(requested)} budgets"):
         points = run_sweep(graph, requested, solver=solver, remat=remat)
@@ -429,6 +442,7 @@ def _profile(
     target: Device | None,
     costs: Costs,
     spell_out: bool,
+    outputs_live: bool,
 ) -> ComputeGraph:
     """Profile the loaded model as the options (or, where they are silent, its file's
     ``TRAINING`` defaults, which the loader has checked) describe its training step."""
@@ -453,7 +467,7 @@ def _profile(
     return ckptplan.profile(
         loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=optimizer_name, shard=shard,
         autocast=getattr(torch, autocast) if autocast is not None else None, target=target_name,
-        roofline=roofline, measure_times=costs == Costs.here, spell_out=spell_out,
+        roofline=roofline, measure_times=costs == Costs.here, spell_out=spell_out, outputs_live=outputs_live,
     )
 
 

@@ -63,7 +63,7 @@ def render_plan(console: Console, plan: Plan, *, costs: str | None = None, verbo
     size = describe_bytes if verbose else format_bytes
     rows = [
         ("model", model),
-        *_step_rows(plan.model.autocast, plan.model.target),
+        *_step_rows(plan.model.autocast, plan.model.target, plan.model.outputs_live),
         ("budget", f"{plan.budget.requested} = {size(plan.budget.bytes)}" + _per_rank(plan)),
         ("peak", _peak_line(prediction.peak_bytes, prediction.baseline_peak_bytes, plan.budget.bytes)),
         ("overhead", _overhead_line(plan)),
@@ -164,10 +164,12 @@ def _recomputed_table(plan: Plan, rows: Sequence[RecomputeRow]) -> Table:
     return table
 
 
-def _step_rows(autocast: str | None, target: str | None) -> list[tuple[str, str]]:
-    """Facts rows for the step a graph or plan models, where it says: its autocast dtype and
-    whose kernels its bytes follow."""
+def _step_rows(autocast: str | None, target: str | None, outputs_live: bool = False) -> list[tuple[str, str]]:
+    """Facts rows for the step a graph or plan models, where it says: its autocast dtype, whose
+    kernels its bytes follow, and whether the loop keeps the model's outputs through backward."""
     rows = []
+    if outputs_live:
+        rows.append(("outputs", "kept by the loop through backward (--outputs-live)"))
     if autocast is not None:
         rows.append(("autocast", f"{autocast}: forward and loss under torch.autocast, backward outside it"))
     if target is not None:

@@ -31,15 +31,16 @@ def checkpoint(
     target: Target | None = None,
     spell_out: bool = False,
     remat: bool | None = None,
+    outputs_live: bool = False,
 ) -> CheckpointedModule:
     """Profile ``model``, solve for ``budget`` and return the rewritten module (``plan`` attached
     as ``module.ckptplan_plan``). ``shard``: plan one rank of a sharded step (``ckptplan.sharding``).
     ``remat``: also consider rematerialising cheap ops (``ckptplan.solve``; None: for ``auto`` only).
-    ``autocast``, ``target``, ``spell_out``: as ``profile`` takes them; with ``autocast``, run the
+    ``autocast``, ``target``, ``spell_out``, ``outputs_live``: as ``profile`` takes them; with ``autocast``, run the
     module's forward and loss under ``torch.autocast`` with that dtype and its backward outside it."""
     graph = profile(
         model, args, kwargs, trace=trace, optimizer=optimizer, shard=shard, autocast=autocast, target=target,
-        spell_out=spell_out,
+        spell_out=spell_out, outputs_live=outputs_live,
     )
     plan = solve(graph, budget, solver=solver, time_limit=time_limit, remat=remat)
     module = emit(graph, plan)

@@ -42,6 +42,7 @@ def forward_autocast(
 def measure_step(
     module: nn.Module, args: Any, kwargs: dict[str, Any] | None = None, *, autocast: torch.dtype | None = None,
     counter: Counter = "allocator",
+    outputs_live: bool = False,
 ) -> Measurement:
     """Run one training step (forward, ``training_loss``, backward) and return its peak.
 
@@ -54,6 +55,8 @@ def measure_step(
     Gradients are reset to None first, as ``optimizer.zero_grad()`` does by default, so the step
     starts from the state a training loop sees. ``autocast``: run forward and loss under
     ``torch.autocast`` with this dtype and backward outside it (``forward_autocast``).
+    ``outputs_live``: keep the module's outputs until backward is done, as a loop that holds
+    ``out`` does (``profile(..., outputs_live=True)``); else they are dropped once the loss is made.
     """
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = dict(kwargs or {})
@@ -64,8 +67,12 @@ def measure_step(
 
     def step() -> None:
         with forward_autocast(module, args, kwargs, autocast):
-            loss = training_loss(module(*args, **kwargs))
+            out = module(*args, **kwargs)
+            loss = training_loss(out)
+        held = out if outputs_live else None
+        del out
         loss.backward()
+        del held
         outcome["loss"] = float(loss.detach())
 
     if counter == "tensors":

@@ -106,7 +106,8 @@ def verify(
         args, kwargs = _to(args, device), _to(kwargs, device)
     reference = copy.deepcopy(model)
     emitted = apply(model, args, plan, kwargs)
-    step = _Step(args, kwargs, getattr(torch, plan.model.autocast) if plan.model.autocast is not None else None)
+    step = _Step(args, kwargs, getattr(torch, plan.model.autocast) if plan.model.autocast is not None else None,
+                 plan.model.outputs_live)
     grads_equal, error = _compare_gradients(reference, emitted, model, step)
     measured = _peak(emitted, step)
     original = _peak(reference, step)
@@ -132,11 +133,13 @@ def _to(value: Any, device: str) -> Any:
 
 @dataclass(frozen=True)
 class _Step:
-    """One training step's inputs and the autocast dtype its forward runs under (None: none)."""
+    """One training step's inputs, the autocast dtype its forward runs under (None: none), and
+    whether the loop keeps the outputs through backward (``profile(..., outputs_live=...)``)."""
 
     args: tuple
     kwargs: dict
     autocast: torch.dtype | None
+    outputs_live: bool = False
 
     def run(self, module: nn.Module) -> None:
         module.zero_grad(set_to_none=True)
@@ -164,7 +167,8 @@ def _compare_gradients(
 
 def _peak(module: nn.Module, step: _Step) -> int:
     """The step's peak as the allocator counts it, with the module's state and inputs."""
-    return measure_step(module, step.args, step.kwargs, autocast=step.autocast).peak_bytes
+    return measure_step(module, step.args, step.kwargs, autocast=step.autocast,
+                        outputs_live=step.outputs_live).peak_bytes
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -50,6 +50,7 @@ def profile(
     measure_times: bool = False,
     spell_out: bool = False,
     workspaces: bool | None = None,
+    outputs_live: bool = False,
 ) -> ComputeGraph:
     """Trace ``model(*args, **kwargs)`` for one training step and annotate it for planning.
 
@@ -92,6 +93,10 @@ def profile(
     workspaces). None (the default) does when the model's tensors are real and on the device
     kind the plan is for; a model on ``meta``, or planned for another device, keeps the fake
     tensors' count.
+    ``outputs_live``: the training loop keeps the model's outputs through backward, as
+    ``out = model(**batch); out.loss.backward()`` does with ``out`` still bound (a causal LM's
+    logits, say); False (the default): it drops them once the loss is made, as ``Trainer``,
+    Lightning and torchtitan do, so they die with forward unless backward needs them.
     """
     autocast_name = _autocast_name(autocast)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
@@ -130,6 +135,7 @@ def profile(
         loss_nodes=tuple(recording.loss_nodes),
         loss_scalar_bytes=recording.loss_scalar_bytes,
         loss_is_output=recording.loss_is_output,
+        outputs_live=outputs_live,
         seed_bytes=recording.seed_bytes,
         rng_state_bytes=_rng_state_bytes(target),
         region_cost=roofline.region_seconds,

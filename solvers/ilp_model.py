@@ -416,6 +416,13 @@ class _Builder:
                 for jp in self.savers.get(s, ()):
                     if jp >= j:
                         need[s].append((after(jp), lambda jp=jp, j=j, kj=kj: [kj, self.same(j, jp)]))
+        # The caller's hold on the model's outputs (``graph.outputs_live``): to the end of backward.
+        self.caller_held = frozenset(
+            s for j in g.outputs for s in g.nodes[j].outputs if s in self.held
+        ) if g.outputs_live else frozenset()
+        for s in sorted(self.caller_held):
+            m.AddBoolOr([self.held[s]])
+            need[s].append((0, list))
         # alive_{s}_{i} over each storage's window [lo, hi], monotone in i, then held_s beyond it.
         self.alive_needs: dict[int, tuple[list[int], list[Callable[[], list]]]] = {}
         self.alive: dict[int, dict[int, cp_model.IntVar]] = {}
@@ -664,14 +671,16 @@ class _Builder:
     def _cachelive_terms(self, t: int) -> list:
         """Terms for ``cachelive_{s}_{j}_{t}``, made here (only recompute event t reads them):
         kept node j's cached s is live while its region's recompute runs t: in the cache until
-        j, then while the recompute still reads it (unless ``savedin_{s}_{j}``: then ``alive``
-        counts it in ``trigger_bytes``)."""
+        j, then while the recompute still reads it (unless ``savedin_{s}_{j}``, or the caller
+        holds s: then ``alive`` counts it in ``trigger_bytes``)."""
         m, W = self.m, self.W
         terms = []
         kept = self.kept_order
         for j in kept[bisect_left(kept, t - W + 1):bisect_left(kept, t + W)]:
             kj = self.keep[j]
             for s in self.cache[j]:
+                if s in self.caller_held:  # the cached tensor is the caller's: ``alive`` counts it
+                    continue
                 reasons = []
                 # (Past the early stop the cache is never consumed: ``alive`` counts it.)
                 if t <= j:

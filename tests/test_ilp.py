@@ -586,3 +586,20 @@ def test_keep_set_plan_on_unet_runs_with_equal_gradients_and_measured_peak() -> 
     assert abs(measured - plan.prediction.peak_bytes) <= 0.03 * measured
     assert measured <= plan.budget.bytes * 1.03
     assert_same_gradients(model, emitted, args)
+
+
+@pytest.mark.parametrize("outputs", [(1,), (1, 5), (3,)])
+def test_model_peak_equals_the_simulated_peak_when_the_caller_keeps_the_outputs(outputs: tuple[int, ...]) -> None:
+    """``graph.outputs_live``: the model's outputs (here also the skip source ``enc_relu``, a
+    pre-loss activation, or the dropout's output) live to the end of the step in the model as in
+    the simulator, which peaks higher for it on some plans."""
+    base = replace(skip_graph(), outputs=(*outputs, 8))
+    live = replace(base, outputs_live=True)
+    rng = random.Random(7)
+    higher = 0
+    for _ in range(80):
+        plan = random_plan(live, rng)
+        report = simulate(live, plan)
+        assert model_peak(live, plan) == report.peak_bytes, plan
+        higher += report.peak_bytes > simulate(base, plan).peak_bytes
+    assert higher

@@ -302,3 +302,25 @@ def test_the_allocator_counts_the_compiled_step_not_eager() -> None:
             peaks[budget] = ckptplan.measure_step(compiled, args).peak_bytes
     torch._dynamo.reset()
     assert peaks[0.1] < peaks[1.0]
+
+
+def test_a_loop_that_keeps_the_outputs_is_planned_and_measured_with_them() -> None:
+    """``outputs_live``: a loop holding ``out`` through backward keeps a classifier's logits
+    (4 MiB here) alive there; the prediction with them is what the allocator counts for that
+    loop, with and without a plan, and so is the one without them for a loop that drops them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(),
+        torch.nn.Linear(256, 2048),
+    )
+    args = (torch.randn(512, 64),)
+    graphs = {live: ckptplan.profile(model, args, outputs_live=live) for live in (False, True)}
+    assert baseline_peak_bytes(graphs[True]) > baseline_peak_bytes(graphs[False])
+    for live, graph in graphs.items():
+        unplanned = ckptplan.measure_step(model, args, outputs_live=live).peak_bytes
+        assert abs(unplanned - baseline_peak_bytes(graph)) <= 0.01 * unplanned, live
+        plan = ckptplan.solve(graph, 0.95, solver="dp")
+        assert plan.regions and plan.model.outputs_live == live
+        assert ('"outputs_live"' in plan.to_json()) == live  # written only when the loop keeps them
+        measured = ckptplan.measure_step(ckptplan.emit(graph, plan), args, outputs_live=live).peak_bytes
+        assert abs(measured - plan.prediction.peak_bytes) <= 0.01 * measured, live
