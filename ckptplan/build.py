@@ -54,6 +54,7 @@ def make_plan(
         checkpoint_seconds=report.checkpoint_seconds,
         overhead=report.cost_seconds / step_cost if step_cost > 0 else 0.0,
         priced_in=graph.priced_in,
+        priced_on=graph.priced_on or None,
         timeline=timeline_of(report.timeline),
     )
     return Plan(

@@ -240,6 +240,9 @@ class ComputeGraph:
     remat_cost: float = 0.0
     # What the costs count (``Roofline.priced_in``): "seconds", or "flops" (10¹² per cost-second).
     priced_in: str = "seconds"
+    # Where the costs come from (``Roofline.source``): "a100", "measured", "flops" or "custom";
+    # empty for graphs made otherwise.
+    priced_on: str = ""
     # The dtype name ("bfloat16", "float16") when the step's forward runs under torch.autocast:
     # the graph's bytes are then those of that step, and the fingerprint tells it apart.
     autocast: str | None = None

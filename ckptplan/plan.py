@@ -89,6 +89,10 @@ class Prediction(_Frozen):
     ``priced_in``: what those costs count (``Roofline.priced_in``): ``"seconds"``, or ``"flops"``
     for a graph priced in FLOPs (``--costs flops``), whose overhead is a share of the step's FLOPs.
 
+    ``priced_on``: where the costs come from (``Roofline.source``): an A100's datasheet, times
+    measured on the machine that profiled it, FLOPs, or a roofline the caller gave; written only
+    when known.
+
     ``timeline``: the step's live bytes, downsampled (``ckptplan.timeline``); plans written
     before it existed have none."""
 
@@ -100,6 +104,7 @@ class Prediction(_Frozen):
     checkpoint_seconds: float = Field(default=0.0, ge=0.0)
     overhead: float = Field(ge=0.0)
     priced_in: Literal["seconds", "flops"] = "seconds"
+    priced_on: Literal["a100", "measured", "flops", "custom"] | None = None
     timeline: Timeline | None = None
 
     @property
@@ -157,6 +162,8 @@ class Plan(_Frozen):
             del raw["remat"]  # plans without it read as before, by earlier versions too
         if raw["solver"]["origin"] is None:
             del raw["solver"]["origin"]  # likewise
+        if raw["prediction"]["priced_on"] is None:
+            del raw["prediction"]["priced_on"]  # likewise
         if not raw["model"]["outputs_live"]:
             del raw["model"]["outputs_live"]  # likewise
         return json.dumps(raw, indent=2, sort_keys=False) + "\n"

@@ -105,11 +105,20 @@ def render_plan(console: Console, plan: Plan, *, costs: str | None = None, verbo
 
 def pricing(plan: Plan, costs: str | None) -> str:
     """What the overhead is priced on, in words, with the option that changes it: ``costs`` as
-    given to ``solve``, or, for a saved plan (None), as its prediction tells: priced in FLOPs;
-    with a cost for checkpointing's own machinery, which only times measured on a machine have;
+    given to ``solve``, or, for a saved plan (None), as its prediction records it
+    (``priced_on``), or for a plan that predates the record, infers it: priced in FLOPs; with a
+    cost for checkpointing's own machinery, which only times measured on a machine have;
     otherwise the default, an A100's datasheet. Empty when nothing is recomputed."""
     if not plan.regions and not plan.remat:
         return ""
+    recorded = plan.prediction.priced_on
+    if costs is None and recorded is not None:
+        return {
+            "a100": "priced on an A100 datasheet roofline; --costs here times this machine",
+            "measured": "timed on the machine that profiled it (--costs here)",
+            "flops": "priced in recomputed FLOPs alone (--costs flops)",
+            "custom": "priced on the roofline given to profile()",
+        }[recorded]
     if costs is None:
         if plan.prediction.priced_in == "flops":
             costs = "flops"

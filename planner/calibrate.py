@@ -75,6 +75,7 @@ def measure_roofline(device: str | torch.device = "cpu", *, repeats: int = 15) -
         region_op_seconds=region_op_seconds,
         policy_op_seconds=policy_op_seconds,
         remat_seconds=remat_seconds,
+        source="measured",
     )
     log.info("measured on %s: %s", device, roofline)
     return roofline

@@ -143,6 +143,7 @@ def profile(
         policy_op_cost=roofline.policy_op_seconds,
         remat_cost=roofline.remat_seconds,
         priced_in=roofline.priced_in,
+        priced_on="measured" if measure_times else roofline.source,
         inputs=tuple(
             TensorSpec(shape=tuple(x.shape), dtype=str(x.dtype).removeprefix("torch."))
             for x in traced.flat_inputs

@@ -36,6 +36,8 @@ class Roofline:
     and unpack it in backward.
     ``priced_in``: what a cost-second stands for, ``"seconds"`` or ``"flops"`` (``FLOPS``: 10¹²
     FLOPs), so that a plan's overhead can say whether it is a share of the step's time or FLOPs.
+    ``source``: where the numbers come from, for the plan to say: ``"a100"`` (``A100``),
+    ``"measured"`` (``measure_roofline``), ``"flops"`` (``FLOPS``) or ``"custom"``.
     """
 
     peak_flops_per_s: float = 312e12
@@ -46,12 +48,13 @@ class Roofline:
     policy_op_seconds: float = 0.0
     remat_seconds: float = 0.0
     priced_in: Literal["seconds", "flops"] = "seconds"
+    source: Literal["a100", "measured", "flops", "custom"] = "custom"
 
     def seconds(self, flops: float, bytes_moved: float) -> float:
         return self.op_seconds + max(flops / self.peak_flops_per_s, bytes_moved / self.bandwidth_bytes_per_s)
 
 
-A100 = Roofline()
+A100 = Roofline(source="a100")
 
 # Recomputation priced in FLOPs as ``torch.utils.flop_counter.FlopCounterMode`` counts them
 # (matmul-like ops only), one cost-second per 10¹² FLOPs: a plan's cost is then its recompute
@@ -59,4 +62,4 @@ A100 = Roofline()
 # FLOP: among plans recomputing as many FLOPs the one moving fewer bytes wins, and bytes
 # outweigh a matmul only where the ops weighed against it move a thousand times more bytes than
 # it does FLOPs. No fixed costs.
-FLOPS = Roofline(peak_flops_per_s=1e12, bandwidth_bytes_per_s=1e15, priced_in="flops")
+FLOPS = Roofline(peak_flops_per_s=1e12, bandwidth_bytes_per_s=1e15, priced_in="flops", source="flops")

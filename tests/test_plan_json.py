@@ -285,7 +285,8 @@ def test_json_schema_describes_the_plan() -> None:
     assert set(dumped["budget"]) == set(defs["BudgetInfo"]["properties"])
     # "outputs_live" is written only by plans of loops that keep the outputs (test_measured.py).
     assert {*dumped["model"], "outputs_live"} == set(defs["ModelInfo"]["properties"])
-    assert set(dumped["prediction"]) == set(defs["Prediction"]["properties"])
+    # "priced_on" is written only for graphs that say what priced them (profiled ones).
+    assert {*dumped["prediction"], "priced_on"} == set(defs["Prediction"]["properties"])
     assert set(dumped["regions"][0]) == set(defs["Region"]["properties"])
     assert plan_json_schema() == schema  # a fresh dict each time, same content
 

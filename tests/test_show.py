@@ -255,3 +255,21 @@ def test_pricing_names_the_cost_model() -> None:
     flops = plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"priced_in": "flops"})})
     assert "FLOPs" in pricing(flops, None)
     assert pricing(make_plan(_uniform_graph(), []), "a100") == ""
+    # A plan that records what priced it says so, whatever its numbers suggest.
+    for source, words in (("measured", "timed on the machine that profiled it"), ("a100", "A100 datasheet"),
+                          ("flops", "FLOPs"), ("custom", "roofline given to profile()")):
+        recorded = timed.model_copy(update={"prediction": timed.prediction.model_copy(update={"priced_on": source})})
+        assert words in pricing(recorded, None), source
+
+
+def test_profiled_plans_record_what_priced_them() -> None:
+    import torch
+
+    import ckptplan
+    from ckptplan.profiler import FLOPS
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    args = (torch.randn(8, 16),)
+    assert make_plan(ckptplan.profile(model, args), [ckptplan.Region(0, 2)]).prediction.priced_on == "a100"
+    assert make_plan(ckptplan.profile(model, args, roofline=FLOPS), []).prediction.priced_on == "flops"
+    assert '"priced_on"' not in make_plan(_uniform_graph(), []).to_json()  # a graph that does not say
