@@ -10,7 +10,7 @@ import pytest
 
 # Import torch before the first CliRunner run (see test_cli.py: torch's log handlers keep the
 # sys.stderr of their import).
-import torch  # noqa: F401
+import torch
 from typer.testing import CliRunner, Result
 
 from ckptplan.build import make_plan
@@ -263,7 +263,6 @@ def test_pricing_names_the_cost_model() -> None:
 
 
 def test_profiled_plans_record_what_priced_them() -> None:
-    import torch
 
     import ckptplan
     from ckptplan.profiler import FLOPS
