@@ -263,7 +263,6 @@ def test_pricing_names_the_cost_model() -> None:
 
 
 def test_profiled_plans_record_what_priced_them() -> None:
-
     import ckptplan
     from ckptplan.profiler import FLOPS
 
