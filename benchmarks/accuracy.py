@@ -207,7 +207,7 @@ def _compare(reference: dict[str, torch.Tensor | None], owner: nn.Module) -> str
 def _seeded_peak(module: nn.Module, work: Workload, autocast: torch.dtype | None) -> int:
     """MemTracker's peak over one seeded step; the step's gradients stay on the parameters."""
     torch.manual_seed(0)
-    return ckptplan.measure_step(module, work.args, work.kwargs, autocast=autocast).peak_bytes
+    return ckptplan.measure_step(module, work.args, work.kwargs, autocast=autocast, outputs_live=False).peak_bytes
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def run_case(case: Case, precision: str, solvers: tuple[str, ...], budgets: tupl
     untouched copy of the model (``reference``)."""
     work = case.build()
     autocast = PRECISIONS[precision]
-    graph = ckptplan.profile(work.model, work.args, work.kwargs, autocast=autocast)
+    graph = ckptplan.profile(work.model, work.args, work.kwargs, autocast=autocast, outputs_live=False)
     reference = copy.deepcopy(work.model)
     eager = _seeded_peak(reference, work, autocast)
     expected = _gradients(reference)

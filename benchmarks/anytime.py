@@ -81,7 +81,7 @@ def main() -> None:
     records, rows = [], []
     for name in names:
         model, args, kwargs = workloads[name]()
-        graph = ckptplan.profile(model, args, kwargs)
+        graph = ckptplan.profile(model, args, kwargs, outputs_live=False)
         for budget in budgets:
             long = _solve(graph, budget, options.long)
             record = {"model": name, "nodes": len(graph.nodes), "budget": budget, "long": long, "short": {}}

@@ -323,7 +323,7 @@ def measure(
     of a forward+backward step (that step doubles as the warm-up), and the step-time ratio over
     ``repeats`` interleaved steps. ``owner`` holds the parameters under the reference's names."""
     torch.manual_seed(0)
-    peak = ckptplan.measure_step(module, work.args, work.kwargs).peak_bytes
+    peak = ckptplan.measure_step(module, work.args, work.kwargs, outputs_live=False).peak_bytes
     grads = _compare_grads(reference, owner)
     counter = FlopCounterMode(display=False)
     with counter:
@@ -652,7 +652,7 @@ def run_model(case: Case, settings: Settings) -> ModelResult:
 
     log.info("  ckptplan: profiling")
     graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=host_roofline(), measure_times=True,
-                             spell_out=settings.spell_out)
+                             spell_out=settings.spell_out, outputs_live=False)
     peer_peaks = [(p.metrics.peak_bytes, f"{p.method}: {p.setting}") for p in points[1:] if p.metrics is not None]
     clusters = _cluster_budgets(peer_peaks)
     budgets = [(peak, "= " + _short_labels(labels)) for peak, labels in clusters][: settings.peer_budgets]
@@ -662,7 +662,7 @@ def run_model(case: Case, settings: Settings) -> ModelResult:
     if settings.flops_series:
         log.info("  ckptplan: profiling priced in FLOPs, spelled out")
         flops_graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=ckptplan.profiler.FLOPS,
-                                       spell_out=True)
+                                       spell_out=True, outputs_live=False)
         points += _ckptplan_points(flops_graph, budgets, work, ref_grads, settings, [(FLOPS_SOLVER, "auto")])
 
     self_ratio = time_ratio(copy.deepcopy(work.model), work, settings.repeats)

@@ -45,7 +45,7 @@ def main() -> None:
         torch.manual_seed(0)
         work = build()
         dtype = getattr(torch, autocast) if autocast else None
-        graph = ckptplan.profile(work.model, tuple(work.args), dict(work.kwargs), target="cuda", autocast=dtype)
+        graph = ckptplan.profile(work.model, tuple(work.args), dict(work.kwargs), target="cuda", autocast=dtype, outputs_live=False)
         peak = ckptplan.simulate(graph, ()).peak_bytes
         print(f"| {name} | {autocast or '-'} | {format_bytes(peak)} | {gpu.get(name, '?')} |", flush=True)
 

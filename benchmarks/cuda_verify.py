@@ -73,7 +73,7 @@ def _on_cuda(value: Any) -> Any:
 
 
 def _memtracker_peak(module: torch.nn.Module, args: tuple, kwargs: dict, autocast: torch.dtype | None) -> int:
-    return ckptplan.measure_step(module, args, kwargs, autocast=autocast).peak_bytes
+    return ckptplan.measure_step(module, args, kwargs, autocast=autocast, outputs_live=False).peak_bytes
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -85,7 +85,7 @@ def _self_difference(model: torch.nn.Module, args: tuple, kwargs: dict, autocast
     runs = []
     for _ in range(2):
         torch.manual_seed(0)
-        ckptplan.measure_step(model, args, kwargs, autocast=autocast)
+        ckptplan.measure_step(model, args, kwargs, autocast=autocast, outputs_live=False)
         runs.append([None if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
     return max((float((a - b).abs().max()) for a, b in zip(*runs) if a is not None), default=0.0)
 
@@ -98,7 +98,7 @@ def _cuda_peaks(module: torch.nn.Module, args: tuple, kwargs: dict, autocast: to
     allocated = torch.cuda.memory_allocated()
     requested = torch.cuda.memory_stats()["requested_bytes.all.current"]
     torch.cuda.reset_peak_memory_stats()
-    ckptplan.measure_step(module, args, kwargs, autocast=autocast)
+    ckptplan.measure_step(module, args, kwargs, autocast=autocast, outputs_live=False)
     torch.cuda.synchronize()
     tensors = [*module.parameters(), *module.buffers(), *_tensors((args, kwargs))]
     own = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
@@ -147,7 +147,7 @@ def run_case(name: str, build: Callable[[], Any], autocast: str | None, options:
     args, kwargs = _on_cuda(tuple(work.args)), _on_cuda(dict(work.kwargs))
     dtype = getattr(torch, autocast) if autocast else None
     started = time.perf_counter()
-    graph = ckptplan.profile(model, args, kwargs, target="cuda", autocast=dtype)
+    graph = ckptplan.profile(model, args, kwargs, target="cuda", autocast=dtype, outputs_live=False)
     log.warning("%s: %d nodes profiled in %.1fs", name, len(graph.nodes), time.perf_counter() - started)
     noise = _self_difference(model, args, kwargs, dtype)
     for fraction in (float(b) for b in options.budgets.split(",")):

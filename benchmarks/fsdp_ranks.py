@@ -102,7 +102,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name, build in MODELS.items():
         model, args, _ = build()
-        graph = ckptplan.profile(model, args, shard=ckptplan.ShardSpec(options.world))
+        graph = ckptplan.profile(model, args, shard=ckptplan.ShardSpec(options.world), outputs_live=False)
         for budget in BUDGETS:
             try:
                 plan = ckptplan.make_plan(graph, []) if budget is None else ckptplan.solve(graph, budget, time_limit=20)

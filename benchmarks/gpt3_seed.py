@@ -60,8 +60,7 @@ def main() -> None:
     spec = ckptplan.ShardSpec(options.shard_degree, master_dtype=example.TRAINING["master_dtype"])
     started = time.perf_counter()
     graph = ckptplan.profile(
-        model, args, kwargs, optimizer=example.TRAINING["optimizer"], shard=spec, target=example.TRAINING["target"]
-    )
+        model, args, kwargs, optimizer=example.TRAINING["optimizer"], shard=spec, target=example.TRAINING["target"], outputs_live=False)
     profile_seconds = time.perf_counter() - started
     budget = parse_budget(options.budget, baseline_peak_bytes(graph))
     static = graph.static

@@ -58,7 +58,7 @@ def example_graph(name: str) -> ckptplan.ComputeGraph:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     model, args = module.build()
-    return ckptplan.profile(model, args)
+    return ckptplan.profile(model, args, outputs_live=False)
 
 
 def gpt2_graph(layers: int) -> ckptplan.ComputeGraph | None:
@@ -72,7 +72,7 @@ def gpt2_graph(layers: int) -> ckptplan.ComputeGraph | None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, 1000, (8, 256))
-    return ckptplan.profile(model, (ids,), {"labels": ids})
+    return ckptplan.profile(model, (ids,), {"labels": ids}, outputs_live=False)
 
 
 def overhead(graph: ckptplan.ComputeGraph, budget: int, solver: str) -> str:

@@ -205,7 +205,7 @@ def profile_shape(shape: Shape, target: str) -> ckptplan.ComputeGraph:
         layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq=shape.seq, batch=shape.batch,
         vocab=shape.vocab,
     )
-    return ckptplan.profile(model, args, target=target)
+    return ckptplan.profile(model, args, target=target, outputs_live=False)
 
 
 def _in_layer(module: str, prefix: str) -> bool:

@@ -62,13 +62,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in options.examples:
         model, args = load(name)
-        graph = ckptplan.profile(model, args)
-        baseline = ckptplan.measure_step(model, args).peak_bytes
+        graph = ckptplan.profile(model, args, outputs_live=False)
+        baseline = ckptplan.measure_step(model, args, outputs_live=False).peak_bytes
         started = time.perf_counter()
         plan = ckptplan.solve(graph, budget, solver=options.solver)
         solve_seconds = time.perf_counter() - started
         emitted = ckptplan.emit(graph, plan)
-        measured = ckptplan.measure_step(emitted, args).peak_bytes
+        measured = ckptplan.measure_step(emitted, args, outputs_live=False).peak_bytes
         predicted = plan.prediction.peak_bytes
         print(
             f"| {name} | {len(graph.nodes)} | {format_bytes(baseline)} | {format_bytes(plan.budget.bytes)} | "

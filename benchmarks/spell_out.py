@@ -53,7 +53,7 @@ def plan_rows(work: compare.Workload, budget: int, repeats: int) -> list[str]:
     rows = []
     for spell_out in (False, True):
         graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=compare.host_roofline(),
-                                 measure_times=True, spell_out=spell_out)
+                                 measure_times=True, spell_out=spell_out, outputs_live=False)
         dp = ckptplan.solve(graph, budget, solver="dp")
         for limit in TIME_LIMITS:
             started = time.perf_counter()
@@ -77,7 +77,7 @@ def plan_row(kernels: str, nodes: int, limit: float, seconds: float, plan: ckptp
 
 
 def region_costs(work: compare.Workload, repeats: int) -> tuple[ckptplan.ComputeGraph, list[str]]:
-    graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=compare.host_roofline())
+    graph = ckptplan.profile(work.model, work.args, work.kwargs, roofline=compare.host_roofline(), outputs_live=False)
     at = graph.index_of
     linears = [n.name for n in graph.nodes if n.op == "aten.linear.default" and n.inputs and
                graph.nodes[n.inputs[0]].op == "aten.gelu.default"]  # each layer's 512→128 projection
@@ -118,8 +118,8 @@ def pricing_rows() -> list[str]:
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     model, args = example.build()[:2]
-    whole = ckptplan.profile(model, args)
-    parts = ckptplan.profile(model, args, spell_out=True)
+    whole = ckptplan.profile(model, args, outputs_live=False)
+    parts = ckptplan.profile(model, args, spell_out=True, outputs_live=False)
     attention = whole.node("scaled_dot_product_attention")
     spelled = parts.nodes[parts.index_of["attn_query"]:parts.index_of["attn_out"] + 1]
     return [

@@ -52,7 +52,7 @@ def main() -> None:
     worst = 0.0
     for name in names:
         model, args, kwargs = builders[name]()
-        graph = ckptplan.profile(model, args, kwargs)
+        graph = ckptplan.profile(model, args, kwargs, outputs_live=False)
         for budget in budgets:
             seconds, answer, least = _solve(graph, budget, options.limit)
             worst = max(worst, seconds / options.limit)

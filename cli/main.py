@@ -147,8 +147,8 @@ SpellOutOpt = Annotated[
 OutputsLiveOpt = Annotated[
     bool,
     typer.Option(
-        "--outputs-live",
-        help="Plan the step of a loop that keeps the model's outputs through backward (out = model(x); loss(out).backward() with out still bound: a causal LM's logits, say). Without it the outputs die once the loss is made, as in Trainer, Lightning and torchtitan.",
+        "--outputs-live/--outputs-dropped",
+        help="Whether the training loop keeps the model's outputs through backward: a plain loop does (out = model(x); loss(out).backward() with out still bound: a causal LM's logits, say); Trainer, Lightning and torchtitan drop them once the loss is made (--outputs-dropped). The default is the one whose mistake is not an out-of-memory error.",
     ),
 ]
 RematOpt = Annotated[
@@ -214,7 +214,7 @@ def solve(
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
     spell_out: SpellOutOpt = False,
-    outputs_live: OutputsLiveOpt = False,
+    outputs_live: OutputsLiveOpt = True,
     costs: CostsOpt = Costs.a100,
     remat: RematOpt = None,
     time_limit: Annotated[
@@ -266,7 +266,7 @@ def profile(
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
     spell_out: SpellOutOpt = False,
-    outputs_live: OutputsLiveOpt = False,
+    outputs_live: OutputsLiveOpt = True,
     costs: CostsOpt = Costs.a100,
 ) -> None:
     """Show where one training step's memory and FLOPs go, per module and per op."""
@@ -354,7 +354,7 @@ def sweep(
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
     spell_out: SpellOutOpt = False,
-    outputs_live: OutputsLiveOpt = False,
+    outputs_live: OutputsLiveOpt = True,
     costs: CostsOpt = Costs.a100,
     remat: RematOpt = None,
 ) -> None:

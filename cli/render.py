@@ -173,12 +173,15 @@ def _recomputed_table(plan: Plan, rows: Sequence[RecomputeRow]) -> Table:
     return table
 
 
-def _step_rows(autocast: str | None, target: str | None, outputs_live: bool = False) -> list[tuple[str, str]]:
+def _step_rows(
+    autocast: str | None, target: str | None, outputs_live: bool | None = None
+) -> list[tuple[str, str]]:
     """Facts rows for the step a graph or plan models, where it says: its autocast dtype, whose
     kernels its bytes follow, and whether the loop keeps the model's outputs through backward."""
     rows = []
-    if outputs_live:
-        rows.append(("outputs", "kept by the loop through backward (--outputs-live)"))
+    if outputs_live is not None:
+        rows.append(("outputs", "kept by the loop through backward" if outputs_live
+                     else "dropped by the loop once the loss is made (--outputs-dropped)"))
     if autocast is not None:
         rows.append(("autocast", f"{autocast}: forward and loss under torch.autocast, backward outside it"))
     if target is not None:

@@ -31,7 +31,7 @@ def checkpoint(
     target: Target | None = None,
     spell_out: bool = False,
     remat: bool | None = None,
-    outputs_live: bool = False,
+    outputs_live: bool = True,
 ) -> CheckpointedModule:
     """Profile ``model``, solve for ``budget`` and return the rewritten module (``plan`` attached
     as ``module.ckptplan_plan``). ``shard``: plan one rank of a sharded step (``ckptplan.sharding``).

@@ -42,7 +42,7 @@ def forward_autocast(
 def measure_step(
     module: nn.Module, args: Any, kwargs: dict[str, Any] | None = None, *, autocast: torch.dtype | None = None,
     counter: Counter = "allocator",
-    outputs_live: bool = False,
+    outputs_live: bool = True,
 ) -> Measurement:
     """Run one training step (forward, ``training_loss``, backward) and return its peak.
 
@@ -55,8 +55,8 @@ def measure_step(
     Gradients are reset to None first, as ``optimizer.zero_grad()`` does by default, so the step
     starts from the state a training loop sees. ``autocast``: run forward and loss under
     ``torch.autocast`` with this dtype and backward outside it (``forward_autocast``).
-    ``outputs_live``: keep the module's outputs until backward is done, as a loop that holds
-    ``out`` does (``profile(..., outputs_live=True)``); else they are dropped once the loss is made.
+    ``outputs_live`` (the default): keep the module's outputs until backward is done, as a loop
+    that holds ``out`` does (``profile``'s default too); False: drop them once the loss is made.
     """
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = dict(kwargs or {})

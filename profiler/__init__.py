@@ -50,7 +50,7 @@ def profile(
     measure_times: bool = False,
     spell_out: bool = False,
     workspaces: bool | None = None,
-    outputs_live: bool = False,
+    outputs_live: bool = True,
 ) -> ComputeGraph:
     """Trace ``model(*args, **kwargs)`` for one training step and annotate it for planning.
 
@@ -93,10 +93,11 @@ def profile(
     workspaces). None (the default) does when the model's tensors are real and on the device
     kind the plan is for; a model on ``meta``, or planned for another device, keeps the fake
     tensors' count.
-    ``outputs_live``: the training loop keeps the model's outputs through backward, as
-    ``out = model(**batch); out.loss.backward()`` does with ``out`` still bound (a causal LM's
-    logits, say); False (the default): it drops them once the loss is made, as ``Trainer``,
-    Lightning and torchtitan do, so they die with forward unless backward needs them.
+    ``outputs_live`` (the default): the training loop keeps the model's outputs through
+    backward, as ``out = model(**batch); out.loss.backward()`` does with ``out`` still bound (a
+    causal LM's logits, say); False: it drops them once the loss is made, as ``Trainer``,
+    Lightning and torchtitan do, so they die with forward unless backward needs them. The
+    default is the assumption whose mistake costs memory to spare, not an out-of-memory error.
     """
     autocast_name = _autocast_name(autocast)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)

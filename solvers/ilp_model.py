@@ -417,8 +417,10 @@ class _Builder:
                     if jp >= j:
                         need[s].append((after(jp), lambda jp=jp, j=j, kj=kj: [kj, self.same(j, jp)]))
         # The caller's hold on the model's outputs (``graph.outputs_live``): to the end of backward.
+        # A model's own scalar loss is already held from backward's start (``gradient_bytes``).
+        held_loss = {s for j in g.loss_nodes for s in g.nodes[j].outputs} if g.loss_is_output else set()
         self.caller_held = frozenset(
-            s for j in g.outputs for s in g.nodes[j].outputs if s in self.held
+            s for j in g.outputs for s in g.nodes[j].outputs if s in self.held and s not in held_loss
         ) if g.outputs_live else frozenset()
         for s in sorted(self.caller_held):
             m.AddBoolOr([self.held[s]])

@@ -92,7 +92,7 @@ def solve_and_save(model: nn.Module, args: tuple, world: int, path: str | Path,
                    budget: str | float = BUDGET) -> ckptplan.Plan:
     """Plan one of ``world`` FSDP2 ranks (``fully_shard`` per block, AdamW) for one rank's batch
     ``args`` at ``budget`` and write the plan to ``path`` (atomically)."""
-    graph = ckptplan.profile(model, args, optimizer="adamw", shard=ckptplan.ShardSpec(world))
+    graph = ckptplan.profile(model, args, optimizer="adamw", shard=ckptplan.ShardSpec(world), outputs_live=False)
     plan = ckptplan.solve(graph, budget, solver="dp")
     ckptplan.save_plan(plan, path)
     return plan
@@ -102,7 +102,7 @@ def first_step_prediction(model: nn.Module, args: tuple, plan: ckptplan.Plan) ->
     """The per-rank peak ``plan`` gives the first step, before AdamW has made its state: the plan
     simulated on the same sharded step profiled without an optimizer."""
     sharding = plan.model.sharding
-    graph = ckptplan.profile(model, args, shard=ckptplan.ShardSpec(sharding.degree, units=sharding.units))
+    graph = ckptplan.profile(model, args, shard=ckptplan.ShardSpec(sharding.degree, units=sharding.units), outputs_live=False)
     return ckptplan.simulate(graph, plan).peak_bytes
 
 

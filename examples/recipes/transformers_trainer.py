@@ -135,7 +135,7 @@ def solve_and_save(
 
     ``dp`` is exact for the chain it plans and takes a fraction of a second here; ``"auto"``
     also runs ``ilp`` (cheaper plans, seconds to minutes)."""
-    graph = ckptplan.profile(model, (), call)
+    graph = ckptplan.profile(model, (), call, outputs_live=False)
     plan = ckptplan.solve(graph, budget, solver=solver)
     ckptplan.save_plan(plan, path)
     return plan
