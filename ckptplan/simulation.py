@@ -749,9 +749,9 @@ def baseline_peak_bytes(graph: ComputeGraph) -> int:
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the duration (and back on only if it was on).
-    A run allocates an object or more per event (GPT-3's 4,575 nodes: some 66,000 events), and the
-    collections those allocations set off took 35-40% of a run here (0.11 s with it off, 0.17-0.19
-    s on); what a run leaves behind is collected once it is back on."""
+    A run allocates an object or more per event, and the collections those allocations set off
+    would take a large share of it (docs/tuning.md, "simulation"); what a run leaves behind is
+    collected once it is back on."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -1,10 +1,10 @@
 """Measure a ``Roofline`` on this machine: the cost model for plans that will run here.
 
 The default cost model is an A100's datasheet, where a convolution is a few times cheaper than
-the batch norm after it; on a CPU it is the other way round (here, one thread: about 100 GFLOP/s
-of fp32 matmul, and 4 GB/s through a batch norm), and checkpointing's own bookkeeping (measured
-here: about 0.2 ms a region, tens of microseconds per op inside one, 0.05 ms more per kept
-op under a selective policy, and about 0.08 ms per recompute of a rematerialised op) no longer hides behind GPU kernels. Plans ranked by the wrong model
+the batch norm after it; on a CPU it is the other way round, and checkpointing's own bookkeeping
+(per region, per op inside one, per kept op under a selective policy, per recompute of a
+rematerialised op) no longer hides behind GPU kernels (docs/tuning.md, "Cost models", has one
+CPU's numbers). Plans ranked by the wrong model
 recompute the wrong ops: profile with ``roofline=measure_roofline()`` when the plan is to run
 where it is measured.
 """

@@ -19,7 +19,7 @@ class Roofline:
     2.039 TB/s HBM2e bandwidth; no fixed costs, since on a GPU the host's dispatch and
     checkpoint bookkeeping run ahead of the kernels and hide behind them on models large
     enough to need checkpointing. ``ckptplan.measure_roofline()`` measures all seven numbers on
-    the host it runs on, where they do not hide (on this CPU a region cost about 0.2 ms).
+    the host it runs on, where they do not hide (docs/tuning.md, "Cost models").
 
     ``op_seconds``: fixed cost of running one graph op (dispatch, kernel launch).
     ``region_seconds``: what one checkpoint region adds to a step besides its recompute

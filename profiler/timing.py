@@ -1,12 +1,10 @@
 """Measured forward times of a traced graph's ops, for plans that run where they are profiled.
 
 The roofline prices an op by its FLOPs and bytes; on a CPU that misses by tens of times either
-way (one thread here: an fp32 add ran at 100 GB/s in cache and 4 GB/s out of it, ``tanh`` at
-2 GB/s, bound by its arithmetic). Timing each op on the real tensors prices what recomputing it
-costs on this machine. Backward is priced by the roofline's backward-to-forward ratio per op,
-scaled to the measured backward of the whole step: the A100 roofline's ratio, about 2, made a
-step here cost twice its measured backward (the GPT example: 247 ms against 100 ms), and every
-plan's overhead look 1.6 times smaller than measured.
+way (docs/tuning.md, "Cost models"). Timing each op on the real tensors prices what recomputing
+it costs on this machine. Backward is priced by the roofline's backward-to-forward ratio per op,
+scaled to the measured backward of the whole step: the ratio alone misprices the step's backward
+on a CPU, and with it every plan's overhead (docs/tuning.md, "Cost models").
 """
 
 from __future__ import annotations

@@ -61,41 +61,31 @@ POLICY_BUDGETS = 3  # block budgets per ballast, evenly from its least to its un
 # The ballasts: the rest of the step, in the block's activation bytes (0 favours a low peak inside
 # the block, more favours storing little). The largest is raised to the block's own unplanned
 # peak where that is more, so that the ballast's events are the block graph's peak whatever the
-# plan, and a budget bounds exactly what the block stores: GPT-3's attention backward alone
-# peaks above 4x its activation bytes, and its solves at every budget had found the same three
-# policies (at 80 GB the plan's overhead was 22.5%; with the raised ballast 17.7%).
+# plan, and a budget bounds exactly what the block stores (docs/tuning.md, "blocks").
 BALLAST_SHARES = (0.0, 1.0, 4.0)
 # Extra solves with the largest ballast, each in the widest gap left on the frontier of (peak,
-# recompute cost) (``Frontier``), down to gaps of 1/FRONTIER_RESOLUTION of the budgets' range.
-# Evenly spaced budgets miss the cheap plans that free a little: on the 12-layer GPT-2 at 50%
-# of its peak the proof phase's plan gave its blocks policies freeing 27.5-30.5 MiB for
-# 0.19-0.39% of the step, where the choice had had 23.5 MiB for 0.07% and then 31.5 MiB for
-# 0.45% (its plan cost 0.039 of the step, 0.031 with these solves; 5 even budgets had been used).
+# recompute cost) (``Frontier``), down to gaps of 1/FRONTIER_RESOLUTION of the budgets' range:
+# evenly spaced budgets miss the cheap plans that free a little (docs/tuning.md, "blocks").
 FRONTIER_SOLVES = 12
 FRONTIER_RESOLUTION = 100
 KEEP_STEPS = 4  # keep-set sizes of ranked_keep_policies: 0, 1/4, ..., all of the keepable nodes
 SMALL_REGION_NODES = 4  # small_region_policies: regions of at most this many nodes,
 SMALL_REGION_POLICIES = 4  # the best 1, 2, ..., this many of them
 # What measuring them costs (about 4 simulations of the block per node: quadratic in its size),
-# per pair of the block's nodes, out of the block's seconds: 40-110 us measured here on the GPT
-# example's, a transformers GPT-2's and a Llama's blocks of 25, 41 and 63 nodes.
+# per pair of the block's nodes, out of the block's seconds (docs/tuning.md, "blocks").
 SMALL_REGION_SECONDS_PER_PAIR = 80e-6
 FREED_UNITS = 4000  # buckets of freed bytes in which the choice DP keeps one state
 MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan overshoots
 # With this many seconds per block solve, the lowest budget tried is the least peak the flat ilp
-# finds (GPT-3 at 80 GB: 17.7% overhead, 17.9% from sqrt's least peak).
+# finds (docs/tuning.md, "blocks").
 THOROUGH_SECONDS = 0.2
-# Below this many seconds per block solve, the ranked policies alone are the candidates: building
-# and solving each small model costs 0.1-0.3 s whatever its limit (a 2-layer Llama: 7 s of
-# block solves for an ilp asked to take 2 s in all).
+# Below this many seconds per block solve, there are no flat solves: building and solving each
+# small model costs more than its limit (docs/tuning.md, "blocks").
 MIN_SOLVE_SECONDS = 0.05
 # What block policies cost beyond the limits they are given, per node of the block, so that the
-# split of ``seconds`` depends on the graph and never on the clock (plans stay reproducible).
-# Measured here: a flat solve of a block takes 0.09-0.18 s more than its CP-SAT limit on the GPT
-# example's 25-node and a transformers GPT-2's 41-node blocks (model build, hint completion, the
-# solver's start), dp's warm plan 0.03-0.06 s, and one quick policy (ballast, budget) 1.4-2.9 ms
-# per node on those and the U-Net's and ResNet's blocks (with 2.5 ms, the 555-node GPT-2 asked
-# for 2 s took 2.9 s).
+# split of ``seconds`` depends on the graph and never on the clock (plans stay reproducible): a
+# flat solve beyond its CP-SAT limit (model build, hint completion, the solver's start), dp's warm
+# plan, and one quick policy (ballast, budget) (docs/tuning.md, "blocks").
 SOLVE_SECONDS_PER_NODE = 0.0045
 DP_SECONDS_PER_NODE = 0.0013
 QUICK_SECONDS_PER_NODE = 0.003
@@ -227,14 +217,11 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
     seconds = max(0.0, seconds - SMALL_REGION_SECONDS_PER_PAIR * length**2)  # what the small regions took
     # per solve; dp's limit for its warm plans
     slot = seconds / (len(BALLAST_SHARES) * (POLICY_BUDGETS + 1) + FRONTIER_SOLVES)
-    # dp's plans warm-start every solve: without them, solves of 0.2 s from sqrt's plan made the
-    # 12-layer GPT-2's block-by-block plans at 70% and 50% cost 0.058 and 0.126 where the quick
-    # policies made 0.006 and 0.069 (``ilp_speed.py --limits 2,6,15``).
+    # dp's plans warm-start every solve (docs/tuning.md, "blocks")
     per_solve = slot - (SOLVE_SECONDS_PER_NODE + DP_SECONDS_PER_NODE) * nodes  # the CP-SAT limit of each
     thorough = per_solve >= THOROUGH_SECONDS
-    # Too short for CP-SAT solves. On the GPT example at 70% and 50%, with the 1.5 s ``ilp`` gives
-    # the blocks at a 6 s limit, ranked policies alone made block-by-block plans of 0.094 and 0.153
-    # overhead, refined starting plans 0.011 and 0.023 (CP-SAT's, given 6 s: 0.011 and 0.025).
+    # Too short for CP-SAT solves: each budget's policy is the ilp's refined starting plan
+    # (docs/tuning.md, "blocks").
     quick = per_solve < MIN_SOLVE_SECONDS
     quick_left = int(seconds / (QUICK_SECONDS_PER_NODE * nodes))  # starting plans paid for, in the loops' order
     for share in BALLAST_SHARES:
@@ -242,8 +229,8 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
         sub = block_graph(graph, block, max(ballast, alone) if share == BALLAST_SHARES[-1] else ballast)
         top = baseline_peak_bytes(sub)
         # The ranked policies warm-start each solve, and with sqrt's least-peak plan they set the
-        # lowest budget tried when time is short: simulating them is cheap, where the least-peak
-        # search took a third of this function's time (GPT example, 0.75 s asked: 3.8 s).
+        # lowest budget tried when time is short: simulating them is cheap, where the flat
+        # least-peak search is not (docs/tuning.md, "blocks").
         starts = [
             solution(sub, policy, "ranked")
             for policy in ranked
@@ -358,9 +345,8 @@ def small_region_policies(graph: ComputeGraph, block: Block, ballast_bytes: int)
     ``SMALL_REGION_POLICIES`` of them (a region that frees bytes at no cost first). Recomputing
     attention's core alone, the heart of Megatron's selective recompute (Korthikanti et al.
     2022), is such a policy; the ranked keep policies, one region over the whole block, reach it
-    only by keeping every other op at a dispatch cost each. On ``examples/gpt.py`` as built at 60%
-    of its peak, a block-by-block plan made without flat solves (a short limit) cost 7.5x the one
-    recomputing attention alone, and 4.5x under ``auto`` with 15 s."""
+    only by keeping every other op at a dispatch cost each (what that costs: docs/tuning.md,
+    "blocks")."""
     lo = block.start
     sub = block_graph(graph, block, ballast_bytes)
     top = baseline_peak_bytes(sub)

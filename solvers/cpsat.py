@@ -17,12 +17,8 @@ MIN_WALL_SECONDS = 1.0  # the wall-clock backup of even the shortest search
 # From this many workers on, CP-SAT runs its own portfolio (what its documentation recommends:
 # one worker per core). Below it, a portfolio's full-problem workers are only
 # ``BOUND_SUBSOLVERS``, beside CP-SAT's first-solution and neighbourhood workers: its LP with cuts
-# and symmetry, which raised the lower bound in every proof logged here, and its tree search on
-# the LP bound, which closed proofs where the LP bound stalls (``ilp_speed.py --time-limit 60``,
-# 2 cores: the 555-node GPT-2 at 70% ended with a gap of 0.05 with reduced-cost fixing as the
-# second worker, and is proven in 57.5 s with the tree search). On the smaller rows of
-# ``ilp_speed.py --proof-only`` CP-SAT's default 8-worker portfolio took 5.7-40.0 s, these 3
-# workers 2.7-9.9 s (``benchmarks/results/ilp_speed.md``).
+# and symmetry, which raises the lower bound, and its tree search on the LP bound, which closes
+# proofs where the LP bound stalls (docs/tuning.md, "cpsat").
 FULL_PORTFOLIO_WORKERS = 8
 BOUND_SUBSOLVERS = ("max_lp_sym", "lb_tree_search")
 

@@ -61,8 +61,7 @@ INF = math.inf
 DEFAULT_MEM_UNITS = 1000  # memory resolution: resident memory to the no-checkpoint peak in this many units
 # What one candidate chain's curve is budgeted per node under a time limit: the limit buys
 # ``time_limit / (CHAIN_SECONDS_PER_NODE * nodes)`` chains (at least one), a count and not the
-# clock, so a plan does not depend on the machine's load (a transformers GPT-2 block's chains
-# took 0.03-0.06 s for 41 nodes here, ``blocks.DP_SECONDS_PER_NODE``).
+# clock, so a plan does not depend on the machine's load (docs/tuning.md, "dp").
 CHAIN_SECONDS_PER_NODE = 0.0013
 MAX_MEM_UNITS = 16384  # the finest resolution a caller's ``mem_unit`` may ask for
 

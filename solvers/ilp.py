@@ -219,7 +219,7 @@ def keep_more(graph: ComputeGraph, plan: Solution, budget_bytes: int, ctx: Solve
 
     The block-by-block plan picks each block's policy from a menu of whole-block solves; a keep
     added where another block's backward leaves room is a choice the menu cannot make
-    (GPT-3 at 80 GB: 18.6% of the step with auto's 30 s, 18.2% after its 24 moves)."""
+    (docs/tuning.md, "ilp", ``ilp.keep_more``)."""
     if ctx.cancelled or any(region.children for region in plan.regions):  # moves are counted, not timed
         return plan
     count = int(tuning.LARGE_REFINE_SHARE * ctx.limit / (tuning.LARGE_SIMULATE_SECONDS_PER_NODE * len(graph.nodes)))

@@ -205,7 +205,7 @@ def solve_flat(
     start = starting_plan(graph, warm, budget_bytes,
                           moves=Moves(int(refine_seconds / (tuning.SIMULATE_SECONDS_PER_NODE * len(graph.nodes)))))
     # Time kept for the proof phase, whose portfolio finds and proves optima the one worker does
-    # not (ilp_speed at 60 s: without the reserve the search left GPT at 50% 9 s, no proof).
+    # not (docs/tuning.md, "ilp", ``MIN_PROOF_SECONDS``).
     reserve = tuning.PROOF_SHARE * limit if tuning.PROOF_SHARE * limit >= tuning.MIN_PROOF_SECONDS else 0.0
     clock = (limit - reserve) * tuning.DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not left: reproducible
     build_seconds = tuning.BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, window)
@@ -332,7 +332,7 @@ def _search(
         workers=workers,
         deterministic_seconds=clock * tuning.GLOBAL_SHARE, seed=seed, window=window, announce=announce,
         # Without a plan to start from, the whole model: its presolve proves an infeasible budget
-        # at once, where the relaxation must first gain rows (ViT at 70% with 2 s: no answer).
+        # at once, where the relaxation must first gain rows (docs/tuning.md, "ilp").
         deferred_phases=DEFERRED_PHASES if lazy and start is not None else frozenset(),
     )
     regions = found.regions

@@ -18,13 +18,9 @@ infeasible. Branch-and-cut solvers treat rows too many to state up front the sam
 Two uses, one loop: with one worker on CP-SAT's deterministic clock (the callback's decisions
 depend only on the plans, which one worker finds in a fixed order) the search is reproducible;
 with ``proof_workers()``, a CP-SAT portfolio whose LP-based workers raise the lower bound, it is
-the proof phase. Measured with ``benchmarks/ilp_speed.py --proof-only`` (2 cores, from the
-block-by-block plan): the U-Net, ResNet, GPT example and GPT-2s of up to 1,006 nodes, at 70%
-and 50% of their peaks, proven optimal in 2-19 s each, except the 1,006-node GPT-2 at 70% (gap
-0.03; ``benchmarks/results/ilp_speed.md``); on the whole model without row generation the GPT example
-never got a bound above zero in 60 s. That one plan's whole cost is recomputing 17 of the 23
-blocks' attention: from such a plan the proof phase searches only the plans recomputing fewer
-(``fewer_of_a_class``), and proved it in 12.6 s.
+the proof phase. From a plan whose whole cost is recomputing some of a class of interchangeable
+nodes, the proof phase searches only the plans recomputing fewer (``fewer_of_a_class``). What
+its proofs take, with and without row generation: docs/tuning.md, "ilp_lazy".
 """
 
 from __future__ import annotations
@@ -59,15 +55,9 @@ PROOF_WORKERS = 3  # the proof phase's workers on fewer cores than FULL_PORTFOLI
 # Deferred rows stated up front: those of the events where the start plan holds the most bytes.
 # The reproducible search (one worker) states 8 and adds every row a plan breaks: its first plans
 # break rows near the start plan's peak, and each round that then restarts pays CP-SAT's presolve
-# again (with 1 and 1 per round, ``ilp_speed.py --time-limit 6`` left the ResNet at 50% at 0.150
-# of the step, against 0.144). The proof phase states one and adds, per round, the row of the
-# fullest event the plan that stopped it breaks: each row brings the ``alive``, copy and
-# recompute variables it reads, and rows that do not bind at the optimum still weaken the LP
-# bound. With 8 up front the proof phase left gaps of 0.02-0.14 on the 309- to 1,006-node GPT-2s
-# at 50% of their peak in 60 s; with the one fullest (on each of them the first backward event,
-# the only row their optima needed) it proved them in 9.4-16.5 s (``ilp_speed.py --proof-only``).
-# Every broken row at once, one up front: the U-Net at 50% took 44 rows in 4 rounds and 22.9 s,
-# against 6 rows in 6 rounds and 18.9 s one at a time.
+# again. The proof phase states one and adds, per round, the row of the fullest event the plan
+# that stopped it breaks: each row brings the ``alive``, copy and recompute variables it reads,
+# and rows that do not bind at the optimum still weaken the LP bound (docs/tuning.md, "ilp_lazy").
 SEEDED_ROWS = 8
 PROOF_SEEDED_ROWS = 1
 PROOF_ROWS_PER_ROUND = 1
@@ -235,10 +225,9 @@ def fewer_of_a_class(graph: ComputeGraph, regions: tuple[Region, ...]) -> Recomp
     Why: CP-SAT branches on one variable at a time. When a plan recomputes, say, 17 of 23
     blocks' attention, the LP relaxation frees the bytes still missing with a fraction of an
     18th, and proving that nothing is cheaper means ruling that out for each of the many
-    interchangeable choices of blocks: the 1,006-node GPT-2 at 70% of its peak, where that is
-    the plan, kept a gap of 0.02 after 150 s. Among the plans recomputing at most 16, the LP must
-    free those bytes some other way: their search, with the plan's cost as a cutoff, was proven
-    in 12.6 s (22.5 s without the cutoff). (Splitting on how
+    interchangeable choices of blocks. Among the plans recomputing at most 16, the LP must free
+    those bytes some other way, and their search takes the plan's cost as a cutoff (how long
+    each proof takes: docs/tuning.md, "ilp_lazy"). (Splitting on how
     many of a symmetric set of variables are set, rather than on one of them, is the idea of
     orbital branching: Ostrowski, Linderoth, Rossi and Smriglio, Math. Programming 126, 2011.)"""
     report = simulate(graph, regions)

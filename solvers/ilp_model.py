@@ -737,11 +737,10 @@ class _Builder:
         forward or made again by recomputing p. Every plan satisfies them (a saver outside
         regions holds s; one in another region than p makes s that region's input; one in p's
         region, p not kept, is a trigger there and so recomputes p). In the LP relaxation they
-        tie the forward's memory rows to the objective, whose bound was near zero without them:
-        at least the cheapest fractional choice of producers to recompute that frees enough bytes
-        (a knapsack). Left out of the model ``build_model`` returns: with them one worker's search
-        found dearer plans in the same deterministic time (``solve_flat`` adds them for its
-        proof phase)."""
+        tie the forward's memory rows to the objective: at least the cheapest fractional choice
+        of producers to recompute that frees enough bytes (a knapsack). Left out of the model
+        ``build_model`` returns, for one worker's search (docs/tuning.md, "ilp"); ``solve_flat``
+        adds them for its proof phase."""
         pairs = []
         for s in self.dynamic:
             p = self.g.storages[s].producer

@@ -7,10 +7,9 @@ a graph where every candidate is rematerialised, then the candidates the plan fi
 Here each candidate is a decision beside the regions and keep-sets of the nodes around it, so a
 step can trade a region for rematerialised ops or the other way round (one level of regions,
 keep-sets, candidates outside regions: none read through a view of another, chains at most two
-deep, ``remat.deep_chains``). CP-SAT on the whole joint model
-at once found nothing better than its start in 15 s on the BERT of ``benchmarks/compare.py``,
-where these steps lowered the cost by 5-10%; so it is searched a neighbourhood at a time, as
-``ilp.improve_locally`` does for regions alone. The model is built whole (no lazy rows), so this
+deep, ``remat.deep_chains``). The joint model is searched a neighbourhood at a time, as
+``ilp.improve_locally`` does for regions alone, not whole (docs/tuning.md, "remat_ilp", says
+why). The model is built whole (no lazy rows), so this
 suits graphs of up to ``ilp_tuning.FLAT_MAX_NODES`` nodes.
 """
 
@@ -33,10 +32,10 @@ from ckptplan.solvers.solution import Solution, solution
 log = logging.getLogger(__name__)
 
 STEP_DETERMINISTIC_SECONDS = 0.25  # CP-SAT's deterministic clock per neighbourhood step
-STEP_SECONDS = 1.5  # about what a step took on the GPT example and BERT here (the copied model's presolve, mostly)
+STEP_SECONDS = 1.5  # about what one step takes (docs/tuning.md, "remat_ilp")
 
 # The least time worth a joint search: building the model comes first (about
-# ``tuning.BUILD_SECONDS_PER_PAIR`` per node and window step: 1.5 s for a 160-node graph here).
+# ``tuning.BUILD_SECONDS_PER_PAIR`` per node and window step; docs/tuning.md, "remat_ilp").
 MIN_SECONDS = 5.0
 
 
@@ -86,8 +85,8 @@ def search_with_remat(
             solver = cp_model.CpSolver()
             configure(solver, wall_seconds=phase.left(),
                       deterministic_seconds=min(STEP_DETERMINISTIC_SECONDS, clock), workers=1, seed=seed)
-            # Most of a step's time is CP-SAT's presolve of the copied model; these cut it by about
-            # half on the GPT example (160 nodes, 45,000 variables), with the same step optima.
+            # Most of a step's time is CP-SAT's presolve of the copied model; these cut it, with
+            # the same step optima (docs/tuning.md, "remat_ilp").
             solver.parameters.max_presolve_iterations = 1
             solver.parameters.cp_model_probing_level = 0
             solver.parameters.symmetry_level = 0

@@ -136,8 +136,8 @@ def _candidates(graph: ComputeGraph) -> list[tuple[Region, ...]]:
 
     def add(regions: tuple[Region, ...]) -> None:
         # Scored as the emitted module runs it, cut at FSDP unit edges: uncut, a candidate's peak
-        # can differ (GPT-3 at 80 GB, 64-way: 60.87 GiB uncut, 60.80 cut), and the least peak this
-        # solver names would not be the least its plans reach.
+        # can differ (docs/tuning.md, "sqrt"), and the least peak this solver names would not be
+        # the least its plans reach.
         regions = split_at_unit_edges(graph, regions)
         if regions not in seen:
             seen.add(regions)
