@@ -191,8 +191,8 @@ def _as_eager(func: Any, args: tuple, out: Any) -> Any:
 
 
 class _TargetKernels(TorchFunctionMode):
-    """Runs dropout and attention as ``target``'s kernels do, on fake tensors of another device
-    (issue #5). Only the kernels change: the graph keeps its nodes, which the emitted module runs
+    """Runs dropout and attention as ``target``'s kernels do, on fake tensors of another device.
+    Only the kernels change: the graph keeps its nodes, which the emitted module runs
     on the user's device.
 
     Dropout: ATen's ``dropout`` on CUDA, when training with 0 < p < 1 on a non-empty tensor,
