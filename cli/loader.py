@@ -72,17 +72,19 @@ def load_model(text: str) -> Iterator[LoadedModel]:
         yield dataclasses.replace(loaded, training=_training(spec, module))
 
 
-TRAINING_KEYS = ("optimizer", "master_dtype", "autocast", "target")
+TRAINING_KEYS = ("optimizer", "master_dtype", "autocast", "target", "outputs")
 # Spellings of the dtypes torch.autocast lowers to, by the torch dtype name each means
 # (``--autocast`` and TRAINING's "autocast").
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 TARGETS = ("cpu", "cuda")
+OUTPUTS = ("kept", "dropped")  # TRAINING's "outputs": the loop keeps them through backward, or drops them
 
 
 def _training(spec: ModelSpec, module: ModuleType) -> dict[str, str]:
     """The optional module-level ``TRAINING`` dict: how the model is trained, used where the
     command line does not say (``{"optimizer": "adamw", "master_dtype": "float32",
-    "autocast": "bf16", "target": "cuda"}``). ``autocast`` comes back as a torch dtype name."""
+    "autocast": "bf16", "target": "cuda", "outputs": "dropped"}``). ``autocast`` comes back as a
+    torch dtype name."""
     training = getattr(module, "TRAINING", {})
     where = f"TRAINING in {str(spec.path)!r}"
     if not isinstance(training, dict) or not all(isinstance(v, str) for v in training.values()):
@@ -98,6 +100,8 @@ def _training(spec: ModelSpec, module: ModuleType) -> dict[str, str]:
         training["autocast"] = name
     if "target" in training and training["target"] not in TARGETS:
         raise ModelFileError(f"{where} has target {training['target']!r}; use 'cpu' or 'cuda'.")
+    if "outputs" in training and training["outputs"] not in OUTPUTS:
+        raise ModelFileError(f"{where} has outputs {training['outputs']!r}; use 'kept' or 'dropped'.")
     return training
 
 

@@ -145,10 +145,10 @@ SpellOutOpt = Annotated[
     ),
 ]
 OutputsLiveOpt = Annotated[
-    bool,
+    bool | None,
     typer.Option(
-        "--outputs-live/--outputs-dropped",
-        help="Whether the training loop keeps the model's outputs through backward: a plain loop does (out = model(x); loss(out).backward() with out still bound: a causal LM's logits, say); Trainer, Lightning and torchtitan drop them once the loss is made (--outputs-dropped). The default is the one whose mistake is not an out-of-memory error.",
+        "--outputs-live/--outputs-dropped", show_default=False,
+        help="Whether the training loop keeps the model's outputs through backward: a plain loop does (out = model(x); loss(out).backward() with out still bound: a causal LM's logits, say); Trainer, Lightning and torchtitan drop them once the loss is made (--outputs-dropped). Default: the file's TRAINING 'outputs', else kept, the assumption whose mistake is not an out-of-memory error.",
     ),
 ]
 RematOpt = Annotated[
@@ -214,7 +214,7 @@ def solve(
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
     spell_out: SpellOutOpt = False,
-    outputs_live: OutputsLiveOpt = True,
+    outputs_live: OutputsLiveOpt = None,
     costs: CostsOpt = Costs.a100,
     remat: RematOpt = None,
     time_limit: Annotated[
@@ -266,7 +266,7 @@ def profile(
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
     spell_out: SpellOutOpt = False,
-    outputs_live: OutputsLiveOpt = True,
+    outputs_live: OutputsLiveOpt = None,
     costs: CostsOpt = Costs.a100,
 ) -> None:
     """Show where one training step's memory and FLOPs go, per module and per op."""
@@ -354,7 +354,7 @@ def sweep(
     autocast: AutocastOpt = None,
     target: TargetOpt = None,
     spell_out: SpellOutOpt = False,
-    outputs_live: OutputsLiveOpt = True,
+    outputs_live: OutputsLiveOpt = None,
     costs: CostsOpt = Costs.a100,
     remat: RematOpt = None,
 ) -> None:
@@ -442,7 +442,7 @@ def _profile(
     target: Device | None,
     costs: Costs,
     spell_out: bool,
-    outputs_live: bool,
+    outputs_live: bool | None,
 ) -> ComputeGraph:
     """Profile the loaded model as the options (or, where they are silent, its file's
     ``TRAINING`` defaults, which the loader has checked) describe its training step."""
@@ -455,6 +455,8 @@ def _profile(
     master_dtype = master_dtype or loaded.training.get("master_dtype")
     autocast = autocast or loaded.training.get("autocast")
     target_name = target.value if target is not None else loaded.training.get("target")
+    if outputs_live is None:
+        outputs_live = loaded.training.get("outputs", "kept") == "kept"
     shard = None
     if shard_degree is not None:
         shard = ShardSpec(shard_degree, stage=zero_stage, master_dtype=master_dtype if zero_stage == 3 else None)

@@ -556,6 +556,7 @@ def test_training_autocast_and_target_are_the_files_defaults(workdir: Path) -> N
     [
         ("{'autocast': 'int8'}", "TRAINING in {path!r} has autocast 'int8'; use 'bf16' or 'fp16'."),
         ("{'target': 'tpu'}", "TRAINING in {path!r} has target 'tpu'; use 'cpu' or 'cuda'."),
+        ("{'outputs': 'lost'}", "TRAINING in {path!r} has outputs 'lost'; use 'kept' or 'dropped'."),
     ],
 )
 def test_training_with_a_bad_autocast_or_target_is_one_sentence_and_exit_1(
@@ -616,3 +617,18 @@ def test_the_status_line_reads_in_step_time_and_leaves_out_what_is_not_known() -
     # A bound above the best plan (over ilp's one-level plans, when a nested plan is cheaper) is not shown.
     assert "bound" not in progress_line(title, Progress("ilp", best_cost_seconds=0.01, bound_cost_seconds=0.02),
                                         2.0, 1.0)
+
+
+def test_the_step_keeps_the_outputs_unless_the_file_or_the_command_line_says_otherwise(workdir: Path) -> None:
+    """The plain loop keeps the outputs through backward (the default); TRAINING's "outputs" says
+    how the file's model is trained, and ``--outputs-live/--outputs-dropped`` wins over both."""
+    plain = write(workdir, "plain.py", TINY)
+    trainer = write(workdir, "trainer.py", TINY + "\nTRAINING = {'outputs': 'dropped'}\n")
+
+    def kept(*args: object) -> bool:
+        result = invoke("solve", *args, "--budget", "1.0", "--solver", "sqrt", "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["model"].get("outputs_live", False)
+
+    assert kept(plain) and not kept(trainer)
+    assert not kept(plain, "--outputs-dropped") and kept(trainer, "--outputs-live")
