@@ -126,19 +126,3 @@ def _decisions(
         )
         for node in graph.nodes
     )
-
-
-def solver_plan(
-    graph: ComputeGraph,
-    regions: Sequence[Region],
-    budget_bytes: int,
-    solver: SolverInfo,
-    report: Report | None = None,
-    remat: Sequence[str] = (),
-) -> Plan:
-    """``make_plan`` as a solver returns it: the budget recorded in bytes (``solve`` later
-    records how the user wrote it)."""
-    return make_plan(
-        graph, regions, budget=BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes), solver=solver,
-        report=report, remat=remat,
-    )

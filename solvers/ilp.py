@@ -231,5 +231,4 @@ def keep_more(graph: ComputeGraph, plan: Solution, budget_bytes: int, ctx: Solve
     if regions == plan.regions:
         return plan
     added = sum(len(r.keep) for r in regions) - sum(len(r.keep) for r in plan.regions)
-    return solution(graph, regions, plan.solver, status=plan.status, gap=plan.gap, origin=plan.origin,
-                    note=f"{plan.note}; then {added} more output(s) kept by refine.add_keeps")
+    return plan.resimulated(graph, regions, note=f"{plan.note}; then {added} more output(s) kept by refine.add_keeps")

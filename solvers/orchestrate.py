@@ -62,20 +62,16 @@ def solve(
             f"(claimed {found.peak_bytes} bytes, simulated {report.peak_bytes}, budget {budget_bytes}); "
             "this is a bug in ckptplan, please report it."
         )
-    note = found.note
-    if ctx.cancelled and "Ctrl-C" not in note:
-        note = f"{note}; stopped by Ctrl-C".lstrip("; ")
-    info = SolverInfo(name=found.solver, status=found.status, seconds=time.perf_counter() - started, gap=found.gap,
-                      note=note, origin=found.origin)
-    return make_plan(graph, found.regions, budget=requested, solver=info, report=report, remat=found.remat)
+    if ctx.cancelled and "Ctrl-C" not in found.note:
+        found = found.but(note=f"{found.note}; stopped by Ctrl-C".lstrip("; "))
+    return plan_of(graph, found.but(report=report), requested, seconds=time.perf_counter() - started)
 
 
-def plan_of(graph: ComputeGraph, found: Solution, budget_bytes: int) -> Plan:
-    """``found`` as a ``Plan`` for ``graph`` at ``budget_bytes`` (what an error's least plan is)."""
-    info = SolverInfo(name=found.solver, status=found.status, seconds=0.0, gap=found.gap, note=found.note,
+def plan_of(graph: ComputeGraph, found: Solution, budget: BudgetInfo, *, seconds: float = 0.0) -> Plan:
+    """``found`` as a ``Plan`` for ``graph`` made for ``budget`` in ``seconds``."""
+    info = SolverInfo(name=found.solver, status=found.status, seconds=seconds, gap=found.gap, note=found.note,
                       origin=found.origin)
-    return make_plan(graph, found.regions, budget=BudgetInfo(requested=str(budget_bytes), bytes=budget_bytes),
-                     solver=info, report=found.report, remat=found.remat)
+    return make_plan(graph, found.regions, budget=budget, solver=info, report=found.report, remat=found.remat)
 
 
 def _with_plan(graph: ComputeGraph, exc: InfeasibleBudgetError) -> InfeasibleBudgetError:
@@ -85,7 +81,8 @@ def _with_plan(graph: ComputeGraph, exc: InfeasibleBudgetError) -> InfeasibleBud
     if not isinstance(least, Solution):
         return exc
     return InfeasibleBudgetError(str(exc), budget_bytes=exc.budget_bytes, min_peak_bytes=exc.min_peak_bytes,
-                                 least_plan=plan_of(graph, least, least.peak_bytes))
+                                 least_plan=plan_of(graph, least, BudgetInfo(requested=str(least.peak_bytes),
+                                                                             bytes=least.peak_bytes)))
 
 
 def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> None:

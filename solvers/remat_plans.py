@@ -89,8 +89,7 @@ def with_remat(
         else:
             kept = shed_remat(graph, shrunk.regions, _beside(graph, order, shrunk.regions), budget_bytes)
             note = f"{shrunk.note}; rematerialises {len(kept)} nodes".lstrip("; ")
-            plan = solution(graph, shrunk.regions, shrunk.solver, status=shrunk.status, note=note, gap=shrunk.gap,
-                            origin=shrunk.origin, remat=[graph.nodes[x].name for x in kept])
+            plan = shrunk.resimulated(graph, shrunk.regions, [graph.nodes[x].name for x in kept], note=note)
             if plan.peak_bytes <= budget_bytes:
                 plans.append(plan)
                 ctx.report(cost_seconds=plan.cost_seconds, peak_bytes=plan.peak_bytes)
@@ -141,7 +140,6 @@ def _on_graph(graph: ComputeGraph, exc: InfeasibleBudgetError, nodes: Sequence[i
     if not isinstance(least, Solution):
         return exc
     remat = [graph.nodes[x].name for x in _beside(graph, nodes, least.regions)]
-    plan = solution(graph, least.regions, least.solver, status=least.status, note=least.note, gap=least.gap,
-                    origin=least.origin, remat=remat)
+    plan = least.resimulated(graph, least.regions, remat)
     return InfeasibleBudgetError(str(exc), budget_bytes=exc.budget_bytes, min_peak_bytes=plan.peak_bytes,
                                  least_plan=plan)

@@ -48,6 +48,15 @@ class Solution:
         """This solution with ``changes`` to its provenance (``status``, ``note``, ...)."""
         return replace(self, **changes)
 
+    def resimulated(
+        self, graph: ComputeGraph, regions: Sequence[Region], remat: Sequence[str] = (), **changes: object
+    ) -> Solution:
+        """``regions`` rematerialising ``remat`` (node names) on ``graph``, simulated there, with
+        this solution's provenance and ``changes`` to it."""
+        names = _remat_names(graph, remat)
+        regions = tuple(regions)
+        return replace(self, regions=regions, remat=names, report=simulate(graph, regions, remat=names), **changes)
+
 
 def solution(
     graph: ComputeGraph,
@@ -63,13 +72,18 @@ def solution(
 ) -> Solution:
     """A ``Solution`` of ``regions`` on ``graph``, simulated unless ``report`` (of the same
     regions and remat) is given. ``remat`` names nodes; it is kept in execution order."""
-    names = tuple(graph.nodes[i].name for i in indices(graph, remat)) if remat else ()
+    names = _remat_names(graph, remat)
     regions = tuple(regions)
     return Solution(
         regions=regions,
         report=report if report is not None else simulate(graph, regions, remat=names),
         solver=solver, status=status, note=note, gap=gap, origin=origin, remat=names,
     )
+
+
+def _remat_names(graph: ComputeGraph, remat: Sequence[str]) -> tuple[str, ...]:
+    """``remat`` checked against ``graph`` and put in execution order (``remat.indices``)."""
+    return tuple(graph.nodes[i].name for i in indices(graph, remat)) if remat else ()
 
 
 def as_solution(graph: ComputeGraph, found: object) -> Solution:
