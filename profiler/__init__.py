@@ -113,17 +113,20 @@ def profile(
         spell_out_composites(traced.gm, target, autocast=spec is not None)
     traced_seconds = time.perf_counter() - started
     own_kernels = "cuda" if device_type == "cuda" else "cpu"
+    if workspaces is None:
+        workspaces = device_type in ("cpu", "cuda") and target == own_kernels
     recording = record_graph(
-        traced.gm, traced.flat_inputs, roofline, loss_leaves, spec, target=None if target == own_kernels else target
+        traced.gm, traced.flat_inputs, roofline, loss_leaves, spec, target=None if target == own_kernels else target,
+        grad_layouts=workspaces,
     )
     static = static_memory(recording.storages, optimizer)
     nodes = tuple(recording.nodes)
-    if workspaces is None:
-        workspaces = device_type in ("cpu", "cuda") and target == own_kernels
     if workspaces:
         # A loss node of a summed output gets the seed as a broadcast scalar (``training_loss``).
         broadcast = frozenset(nodes[i].name for i in recording.loss_nodes) if recording.loss_scalar_bytes else frozenset()
-        measured = measure_workspaces(recording.calls, model_device(model, flat_inputs), spec, broadcast)
+        measured = measure_workspaces(
+            recording.calls, model_device(model, flat_inputs), spec, broadcast, recording.grad_strides
+        )
         nodes = _with_workspaces(nodes, measured)
     if measure_times:
         nodes = _with_measured_times(nodes, measure_op_seconds(model, traced.gm, traced.flat_inputs, spec))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import operator
 from collections.abc import Collection, Iterable, Iterator
@@ -263,6 +264,9 @@ class Recording:
     seed_bytes: int = 0
     output_value: Any = None
     calls: list[Call] = field(default_factory=list)  # each node's op and (fake) arguments, for ``workspace``
+    # Node name -> the strides of the gradient each of its outputs that requires grad receives in
+    # the step's backward (None where none reaches it); filled when ``record_graph`` is asked.
+    grad_strides: dict[str, tuple[tuple[int, ...] | None, ...]] = field(default_factory=dict)
 
 
 class _Recorder:
@@ -279,6 +283,8 @@ class _Recorder:
         self.mode: FakeTensorMode | None = None
         self.meta_as: torch.device | None = None
         self.constants: dict[int, torch.Tensor] = {}  # id(real constant) -> its fake copy
+        self.grad_layouts = False  # record the gradient strides each node's outputs receive
+        self.differentiable: dict[str, list[torch.Tensor]] = {}  # node name -> its outputs requiring grad
 
     def add_storage(
         self, t: torch.Tensor, kind: StorageKind, producer: int = -1, trainable: bool = False, cached: bool = False
@@ -344,6 +350,7 @@ def record_graph(
     loss_leaves_fn: Any,
     autocast: Autocast | None = None,
     target: Target | None = None,
+    grad_layouts: bool = False,
 ) -> Recording:
     """Interpret ``gm`` node by node on fake copies of its state and ``flat_inputs``.
 
@@ -353,6 +360,10 @@ def record_graph(
     autocast dispatch key, is then faked on ``autocast.meta_as``.
     ``target``: run dropout and attention as that device kind's kernels do (``_TargetKernels``),
     where it is not the fake tensors' own; None runs every op as their device does.
+    ``grad_layouts``: also run the step's backward on the fake tensors and record the strides of
+    the gradient each node's outputs receive (``Recording.grad_strides``): a kernel handed a
+    gradient of another layout than its output's (a convolution whose output is flattened,
+    transposed and concatenated) copies it, and its measured workspace must see that copy.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     recorder = _Recorder(gm, roofline)
@@ -360,6 +371,7 @@ def record_graph(
     recorder.target = target
     meta_as = autocast.meta_as if autocast is not None else None
     recorder.mode, recorder.meta_as = mode, meta_as
+    recorder.grad_layouts = grad_layouts
     fake_state = _fake_state(gm, mode, meta_as)
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     for name, fake in fake_state.items():
@@ -563,6 +575,8 @@ def _record_node(
     rec.nodes.append(node)
     recorder.node_index[fx_node] = index
     recorder.keep_alive.extend(out_tensors)
+    if requires_grad:
+        recorder.differentiable[fx_node.name] = [t for t in out_tensors if t.requires_grad]
     return out
 
 
@@ -729,6 +743,37 @@ def _record_outputs(recorder: _Recorder, fx_node: torch.fx.Node, env: dict, loss
         rec.seed_bytes = loss.element_size()
         rec.loss_is_output = len(leaves) == 1 and leaves[0].numel() == 1
         rec.loss_scalar_bytes = 0 if rec.loss_is_output else loss.element_size()
+        if recorder.grad_layouts and loss.requires_grad:
+            rec.grad_strides = _grad_strides(recorder, loss)
+
+
+def _grad_strides(recorder: _Recorder, loss: torch.Tensor) -> dict[str, tuple[tuple[int, ...] | None, ...]]:
+    """Run the step's backward from ``loss`` on the fake tensors, noting the strides of the
+    gradient each recorded output receives (a tensor hook sees the gradient summed over its uses,
+    as the op's backward gets it). Empty if that backward fails."""
+    seen: dict[tuple[str, int], tuple[int, ...]] = {}
+    handles = []
+
+    def note(name: str, position: int, grad: torch.Tensor) -> None:
+        seen[(name, position)] = tuple(grad.stride())
+
+    for name, outs in recorder.differentiable.items():
+        for position, t in enumerate(outs):
+            handles.append(t.register_hook(functools.partial(note, name, position)))
+    leaves = {id(t): t for t in recorder.keep_alive if t.requires_grad and t.grad_fn is None}
+    try:
+        torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    except RuntimeError as exc:
+        log.debug("backward on fake tensors failed (%s); gradients taken as dense", exc)
+        return {}
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        name: tuple(seen.get((name, position)) for position in range(len(outs)))
+        for name, outs in recorder.differentiable.items()
+        if any((name, position) in seen for position in range(len(outs)))
+    }
 
 
 def iter_compute_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:

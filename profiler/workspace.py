@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -67,35 +68,76 @@ def call_key(target: Any, args: tuple, kwargs: dict) -> tuple:
     return (repr(target), tuple(describe(v) for v in pytree.tree_leaves((args, kwargs))))
 
 
+Layout = tuple[tuple[int, ...] | None, ...]
+
+
 def measure_workspaces(
-    calls: Sequence[Call], device: torch.device, autocast: Any = None, broadcast: frozenset[str] = frozenset()
+    calls: Sequence[Call],
+    device: torch.device,
+    autocast: Any = None,
+    broadcast: frozenset[str] = frozenset(),
+    grad_strides: dict[str, Layout] | None = None,
 ) -> dict[str, Workspace]:
     """The workspace of each call's forward and backward, by node name (calls that fail to run
-    for real, in-place ones on leaves say, are left out). ``broadcast``: the nodes whose
-    backward receives the loss's seed as a broadcast scalar (a summed output's gradient is
-    ``ones(()).expand(...)``), which a kernel wanting a dense gradient copies; the others get a
-    dense one."""
+    for real, in-place ones on leaves say, are left out). ``grad_strides``: by node name, the
+    strides of the gradient each of its outputs receives in the step (``record_graph``), which
+    the backward run is given: a kernel wanting a dense gradient copies another one. Nodes not
+    in it get a dense gradient, or, in ``broadcast``, the loss's seed as a broadcast scalar (a
+    summed output's gradient is ``ones(()).expand(...)``)."""
+    grad_strides = grad_strides or {}
+
+    def seeds_of(call: Call) -> Layout | str:
+        return grad_strides.get(call.name) or ("broadcast" if call.name in broadcast else "dense")
+
     distinct: dict[tuple, Call] = {}
     for call in calls:
-        distinct.setdefault((call.key, call.name in broadcast), call)
+        distinct.setdefault((call.key, seeds_of(call)), call)
     order = list(distinct.values())
     devices = [device] if device.type == "cuda" else []
     # The real runs draw random numbers (fresh inputs, dropout): the caller's stream is left as it was.
     with torch.random.fork_rng(devices=devices), _allocator_windows(device) as windows:
         for k, call in enumerate(order):
-            _run_twice(call, k, windows, device, autocast, call.name in broadcast)
-    measured = {(order[k].key, order[k].name in broadcast): ws for k, ws in windows.results().items()}
+            _run_twice(call, k, windows, device, autocast, seeds_of(call))
+    measured = {(order[k].key, seeds_of(order[k])): ws for k, ws in windows.results().items()}
     found = {}
     for call in calls:
-        ws = measured.get((call.key, call.name in broadcast))
+        ws = measured.get((call.key, seeds_of(call)))
         if ws is not None:
             found[call.name] = ws
     return found
 
 
-def _run_twice(call: Call, k: int, windows: _Windows, device: torch.device, autocast: Any, broadcast: bool) -> None:
+def _seed(t: torch.Tensor, seeds: Layout | str, position: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """The gradient of ones handed to output ``t``'s backward, and the strides it is to be laid
+    out in when those are not dense: such a gradient is made only once backward starts (a hook
+    on ``t`` swaps it in for a broadcast scalar), so that autograd alone holds it and frees it
+    when the step would; a kernel that copies it into a dense one and lets it go then measures
+    no more than the step holds."""
+    if seeds == "broadcast":
+        return torch.ones((), dtype=t.dtype, device=t.device).expand_as(t), None
+    strides = seeds[position] if isinstance(seeds, tuple) and position < len(seeds) else None
+    if strides is None or len(strides) != t.dim() or strides == torch.empty_like(t).stride():
+        return torch.ones_like(t), None
+    return torch.ones((), dtype=t.dtype, device=t.device).expand_as(t), strides
+
+
+def _extent(shape: torch.Size, strides: tuple[int, ...]) -> int:
+    """Elements of storage a tensor of ``shape`` laid out with ``strides`` spans."""
+    if any(size == 0 for size in shape):
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+
+
+def _laid_out(strides: tuple[int, ...], grad: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(grad.shape, strides, dtype=grad.dtype, device=grad.device).fill_(1)
+
+
+def _run_twice(
+    call: Call, k: int, windows: _Windows, device: torch.device, autocast: Any, seeds: Layout | str
+) -> None:
     """Forward inside window (k, "fwd"), then backward inside (k, "bwd"), its gradients taken
-    with respect to the op's own tensor arguments and the parameters it reads."""
+    with respect to the op's own tensor arguments and the parameters it reads, from gradients
+    laid out as ``seeds`` says (``measure_workspaces``)."""
     targets: list[torch.Tensor] = []
 
     def real(value: Any) -> Any:
@@ -124,10 +166,16 @@ def _run_twice(call: Call, k: int, windows: _Windows, device: torch.device, auto
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outs or not targets:
             return
-        seeds = [torch.ones((), dtype=t.dtype, device=t.device).expand_as(t) if broadcast else torch.ones_like(t)
-                 for t in outs]
+        grads_out, laid_out = [], 0
+        for position, t in enumerate(outs):
+            seed, strides = _seed(t, seeds, position)
+            grads_out.append(seed)
+            if strides is not None:
+                t.register_hook(functools.partial(_laid_out, strides))
+                laid_out += _extent(t.shape, strides) * t.element_size()
         with windows.window(k, "bwd", returns=True) as returned:
-            grads = torch.autograd.grad(outs, targets, seeds, allow_unused=True)
+            windows.made_in_window[k] = laid_out
+            grads = torch.autograd.grad(outs, targets, grads_out, allow_unused=True)
             returned.extend(g for g in grads if g is not None)
     except Exception as exc:  # noqa: BLE001 (any failure only leaves this call unmeasured)
         log.debug("workspace of %s not measured (%s: %s)", call.name, type(exc).__name__, exc)
@@ -142,6 +190,9 @@ class _Windows:
         self.fwd: dict[int, tuple[int, int]] = {}  # k -> (peak beyond the start, bytes alive past it)
         self.bwd: dict[int, tuple[int, int]] = {}  # k -> (peak beyond the start, bytes returned)
         self._failed: set[int] = set()
+        # k -> bytes of the laid-out gradients made inside backward window k: the step holds
+        # those before the op's backward starts, so they are not its workspace.
+        self.made_in_window: dict[int, int] = {}
         self.events: Callable[[], list[Any]] | None = None  # CPU: the allocator's events, once recorded
 
     @contextlib.contextmanager
@@ -173,7 +224,8 @@ class _Windows:
             if k in self._failed:
                 continue
             bwd_peak, returned = self.bwd.get(k, (0, 0))
-            found[k] = Workspace(fwd_bytes=max(0, peak - max(0, kept)), bwd_bytes=max(0, bwd_peak - returned))
+            bwd_bytes = bwd_peak - returned - self.made_in_window.get(k, 0)
+            found[k] = Workspace(fwd_bytes=max(0, peak - max(0, kept)), bwd_bytes=max(0, bwd_bytes))
         return found
 
     def _read_events(self) -> None:

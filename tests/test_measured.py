@@ -261,6 +261,45 @@ def test_gradient_layout_copies_are_counted() -> None:
     assert baseline_peak_bytes(with_workspaces) == ckptplan.measure_step(model, args).peak_bytes
 
 
+class _PatchEmbedding(torch.nn.Module):
+    """ViT's patch embedding: the convolution's output is flattened, transposed and
+    concatenated after a class token, so the gradient it receives is a strided slice of the
+    concatenation's, which the CPU convolution's backward copies before it starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 64, 8, stride=8)
+        self.cls = torch.nn.Parameter(torch.zeros(1, 1, 64))
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        patches = self.conv(x).flatten(2).transpose(1, 2)
+        return self.head(torch.cat([self.cls.expand(x.size(0), -1, -1), patches], dim=1))
+
+
+def test_a_kernel_handed_a_gradient_in_another_layout_has_its_copy_counted() -> None:
+    """The profile runs the step's backward on fake tensors to learn the layout of each node's
+    incoming gradient, and measures each kernel's workspace from a gradient of that layout."""
+    torch.manual_seed(0)
+    model, args = _PatchEmbedding(), (torch.randn(4, 3, 32, 32),)
+    graph = ckptplan.profile(model, args)
+    (conv,) = [node for node in graph.nodes if node.op == "aten.conv2d.default"]
+    seen = []
+
+    def note_gradient(module: torch.nn.Module, inputs: tuple, out: torch.Tensor) -> None:
+        out.register_hook(lambda grad: seen.append(grad.stride()))
+
+    model.conv.register_forward_hook(note_gradient)
+    training_loss(model(*args)).backward()
+    assert seen == [(17 * 64, 1, 4 * 64, 64)]  # a slice of the (4, 17, 64) gradient, channels last
+    region = Region(start=conv.index, end=conv.index + 3)
+    plan = ckptplan.solve(graph, 1.0)
+    for regions in ((), (region,)):
+        emitted = ckptplan.emit(graph, plan.model_copy(update={"regions": regions}))
+        predicted = ckptplan.simulate(graph, regions).peak_bytes
+        assert ckptplan.measure_step(emitted, args).peak_bytes == predicted
+
+
 def test_regions_that_draw_random_numbers_hold_the_rng_state_they_replay() -> None:
     """Checkpoint stashes the CPU generator's state (5,056 bytes) for a region with dropout, holds
     it with the region's inputs and copies it while recomputing; a region without random ops
