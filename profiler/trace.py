@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ckptplan.errors import TraceError
+from ckptplan.profiler.masks import restore_masks
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ def trace_model(
         except Exception as exc:  # the tracers raise many unrelated types; all mean "cannot trace"
             hint = _cache_hint(model) if mode == "symbolic" or "cache" in str(exc).lower() else None
             raise TraceError(hint or _describe(exc, mode, model)) from exc
+    restore_masks(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(flat):
         raise TraceError(

@@ -1,0 +1,152 @@
+"""Attention masks that the exported graph builds and the model's own step does not.
+
+``transformers`` decides at run time whether ``scaled_dot_product_attention`` needs a mask:
+with no padding it calls the kernel with ``attn_mask=None, is_causal=True`` (the case CUDA's
+flash kernel takes), but while ``torch.export`` traces it, it materialises the causal mask
+(``arange``, ``cumsum``, ``le``, ``__and__`` … ``expand``) and passes it to the kernel with no
+``is_causal``. A graph that keeps that mask runs another kernel than the model (on CUDA the
+efficient or math kernel instead of flash), keeps the mask for backward and spends a few ops
+rebuilding it; a plan for that graph prices a step the model never runs.
+
+``restore_masks`` gives such calls back their mask-free form. A mask qualifies when it is a
+constant of the traced step: built by function calls alone from no input, parameter or
+buffer. It is evaluated on CPU at the traced sizes and compared with what the kernel's own
+flags mean (``is_causal`` is PyTorch's top-left ``tril``): a mask equal to the causal one
+becomes ``is_causal=True``, a mask that keeps every score becomes no mask, and any other mask,
+or one that cannot be evaluated, stays as traced. The rewrite changes which kernel runs, not
+what it computes.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule, Node
+from torch.utils import _pytree as pytree
+
+_aten = torch.ops.aten
+_SDPA = (_aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
+_CHECKS = (_aten._assert_tensor_metadata.default,)
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+# Masks above this many elements are left as traced rather than evaluated (a B·L·S boolean
+# mask at batch 64 and sequence 8,192 is 4 GiB).
+_MAX_MASK_ELEMENTS = 1 << 31
+
+
+def restore_masks(gm: GraphModule) -> int:
+    """Rewrite every attention call of ``gm`` whose mask is a constant causal or all-keeping
+    mask into the call without it, drop the nodes that only built it, and return how many
+    calls were rewritten."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SDPA:
+            continue
+        call = dict(zip(_SDPA_ARGS, node.args, strict=False)) | dict(node.kwargs)
+        mask = call.get("attn_mask")
+        if not isinstance(mask, Node) or call.get("is_causal", False):
+            continue
+        form = _mask_form(mask, _tensor_meta(call["query"]), _tensor_meta(call["key"]))
+        if form is None:
+            continue
+        call["attn_mask"] = None
+        call["is_causal"] = form == "causal"
+        q, k, v = (call.pop(name) for name in ("query", "key", "value"))
+        node.args = (q, k, v)
+        node.kwargs = {name: value for name, value in call.items() if value is not None}
+        _erase_unused(gm, mask)
+        rewritten += 1
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+def _tensor_meta(node: Any) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _mask_form(mask: Node, query: torch.Tensor | None, key: torch.Tensor | None) -> str | None:
+    """``"causal"`` or ``"none"`` when the constant ``mask`` means exactly that for these
+    query and key lengths, else None."""
+    if query is None or key is None:
+        return None
+    value = _evaluate(mask)
+    if value is None or value.dim() < 2 or value.numel() > _MAX_MASK_ELEMENTS:
+        return None
+    length, keys = query.size(-2), key.size(-2)
+    if tuple(value.shape[-2:]) not in {(length, keys), (1, keys), (length, 1), (1, 1)}:
+        return None
+    if value.dtype == torch.bool:
+        keep = value
+    elif value.is_floating_point():
+        # An additive mask is a boolean one only when it holds 0 (keep) and -inf (drop) alone.
+        if not bool(((value == 0) | (value == float("-inf"))).all()):
+            return None
+        keep = value == 0
+    else:
+        return None
+    keep = keep.expand(*keep.shape[:-2], length, keys)
+    if bool(keep.all()):
+        return "none"
+    causal = torch.ones(length, keys, dtype=torch.bool).tril()
+    return "causal" if torch.equal(keep, causal.expand_as(keep)) else None
+
+
+def _evaluate(mask: Node) -> torch.Tensor | None:
+    """The value of ``mask`` computed on CPU, or None when it depends on anything but
+    function calls on constants, or fails to compute."""
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    needed: set[Node] = set()
+    stack = [mask]
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        if node.op not in ("call_function", "call_method") or _random(node):
+            return None
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    values: dict[Node, Any] = {}
+    try:
+        for node in sorted(needed, key=order.__getitem__):
+            args, kwargs = pytree.tree_map_only(Node, values.__getitem__, (node.args, node.kwargs))
+            kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
+            if node.op == "call_method":
+                values[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            elif node.target is operator.getitem:
+                values[node] = args[0][args[1]]
+            else:
+                values[node] = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 (an op that fails on CPU tensors leaves the mask as traced)
+        return None
+    value = values[mask]
+    return value if isinstance(value, torch.Tensor) and value.device.type == "cpu" else None
+
+
+def _random(node: Node) -> bool:
+    """A node whose value is drawn from a generator, so not a constant of the step."""
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def _erase_unused(gm: GraphModule, root: Node) -> None:
+    """Erase ``root`` and the ancestors that only fed it, last first, with the checks export
+    attached to them (``_assert_tensor_metadata`` of a ``.to`` that built the mask)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    candidates: set[Node] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node not in candidates and node.op in ("call_function", "call_method"):
+            candidates.add(node)
+            stack.extend(node.all_input_nodes)
+    for node in sorted(candidates, key=order.__getitem__, reverse=True):
+        checks = [user for user in node.users if user.target in _CHECKS and not user.users]
+        if len(checks) == len(node.users):
+            for check in checks:
+                gm.graph.erase_node(check)
+            gm.graph.erase_node(node)
