@@ -42,6 +42,7 @@ _LAZY = {
     "verify": "ckptplan.planner",
     "save_plan": "ckptplan.planner",
     "measure_roofline": "ckptplan.planner",
+    "compile": "ckptplan.planner",
 }
 
 __all__ = [  # noqa: PLE0604 (ruff cannot see that _LAZY's keys are strings)

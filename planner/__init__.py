@@ -2,7 +2,7 @@
 
 ``simulate`` (the referee: memory and recompute of any plan), ``make_plan`` (a plan from
 regions), ``emit`` (the FX rewrite that runs a plan), ``checkpoint`` / ``apply`` (one-call use),
-``measure_step`` (a real step's peak with MemTracker), ``measure_roofline`` (this machine's
+``compile`` (``torch.compile`` partitioned by ckptplan), ``measure_step`` (a real step's peak), ``measure_roofline`` (this machine's
 cost model), ``verify`` (a plan against real steps),
 and plan I/O.
 """
@@ -13,6 +13,7 @@ from ckptplan.build import make_plan
 from ckptplan.plan import Plan, load_plan
 from ckptplan.planner.api import apply, checkpoint
 from ckptplan.planner.calibrate import measure_roofline
+from ckptplan.planner.compiled import CompiledPlan, compile
 from ckptplan.planner.emit import CheckpointedModule, emit
 from ckptplan.planner.io import save_plan
 from ckptplan.planner.measure import Measurement, measure_step
@@ -21,6 +22,7 @@ from ckptplan.simulation import Event, Report, simulate
 
 __all__ = [
     "CheckpointedModule",
+    "CompiledPlan",
     "Event",
     "Measurement",
     "Plan",
@@ -28,6 +30,7 @@ __all__ = [
     "Verification",
     "apply",
     "checkpoint",
+    "compile",
     "emit",
     "load_plan",
     "make_plan",

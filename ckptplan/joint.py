@@ -1,0 +1,97 @@
+"""The JointGraph: a frozen, torch-free description of the joint forward-backward graph that
+AOTAutograd traces for a compiled training step.
+
+Under ``torch.compile`` the step is one graph: the forward's ops, then the backward's, reading
+the forward's values directly. Partitioning it into the forward and backward graphs that run
+is one decision: which forward values the forward hands to the backward (*saved*); every other
+forward value the backward needs is computed again there (*recomputed*). ``ckptplan.partition``
+simulates the two graphs a decision gives; ``ckptplan.solvers.partition`` makes the decision.
+
+Values are nodes of the joint graph in its order, each with the storages it holds (a view
+shares its base's storage; a multi-output op holds all its outputs' storages, and each
+``getitem`` its own one's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+Phase = Literal["primal", "tangent", "forward", "backward"]
+
+
+@dataclass(frozen=True)
+class JointValue:
+    """One node of the joint graph.
+
+    ``phase``: ``primal`` (a parameter, buffer or input of the step), ``tangent`` (the gradient
+    of a forward output, which the caller's loss hands to the backward), ``forward`` (depends on
+    no tangent: the forward may compute it, and the backward may compute it again) or
+    ``backward``. ``inputs``: indices of the values it reads. ``storages``: the storages it
+    holds. ``cost``: seconds to compute it, ``flops`` its FLOPs. ``recomputable``: the backward
+    may compute it again (not a random draw, which would differ; not a write to state).
+    ``multi_output``: its value is a tuple that ``getitem`` values take apart; never saved
+    itself (its parts are).
+    """
+
+    index: int
+    name: str
+    op: str
+    phase: Phase
+    inputs: tuple[int, ...] = ()
+    storages: tuple[int, ...] = ()
+    cost: float = 0.0
+    flops: int = 0
+    recomputable: bool = True
+    multi_output: bool = False
+
+
+@dataclass(frozen=True)
+class JointGraph:
+    """The joint graph of one compiled training step.
+
+    ``storage_bytes[s]``: bytes of storage ``s``. ``forward_outputs``: the values the forward
+    returns to the caller (the model's outputs, updated buffers). ``backward_outputs``: the
+    values the backward returns (the gradients of the primals). ``outputs_live``: the caller
+    holds the forward's outputs until backward ends (see ``ComputeGraph.outputs_live``).
+    """
+
+    name: str
+    values: tuple[JointValue, ...]
+    storage_bytes: tuple[int, ...]
+    forward_outputs: tuple[int, ...]
+    backward_outputs: tuple[int, ...]
+    outputs_live: bool = True
+    priced_on: str | None = None
+
+    @cached_property
+    def users(self) -> tuple[tuple[int, ...], ...]:
+        """For each value, the values that read it, in order."""
+        found: list[list[int]] = [[] for _ in self.values]
+        for value in self.values:
+            for i in dict.fromkeys(value.inputs):
+                found[i].append(value.index)
+        return tuple(tuple(u) for u in found)
+
+    @cached_property
+    def static_storages(self) -> frozenset[int]:
+        """The primals' storages: alive for the whole step, before and after it."""
+        return frozenset(s for v in self.values if v.phase == "primal" for s in v.storages)
+
+    @cached_property
+    def static_bytes(self) -> int:
+        return sum(self.storage_bytes[s] for s in self.static_storages)
+
+    @cached_property
+    def saveable(self) -> tuple[int, ...]:
+        """Forward values the backward reads directly: the candidates to save."""
+        found = {i for v in self.values if v.phase == "backward" for i in v.inputs
+                 if self.values[i].phase == "forward"}
+        return tuple(sorted(found))
+
+    def index_of(self, name: str) -> int:
+        for value in self.values:
+            if value.name == name:
+                return value.index
+        raise KeyError(name)

@@ -1,0 +1,229 @@
+"""The memory of a partitioned joint graph, as its forward and backward graphs run.
+
+Given the forward values to save, the two graphs are what AOTAutograd's
+``_extract_fwd_bwd_modules`` cuts from the joint graph, with the backward in the order
+``planner.compiled`` gives it (PyTorch's ``reordering_to_mimic_autograd_engine``): from the
+first node that reads a tangent on, the backward graph's nodes in joint order, each preceded by
+what it needs that is not yet computed, in joint order. Run as graph modules do (each value freed
+after its last use in its graph; the backward's inputs, the saved values and tangents,
+too), the live bytes at every node are exact for ``backend="aot_eager"``:
+
+* forward: each value needed for the forward's outputs or a saved value, in joint order; it
+  lives from its node to its last use in the forward, or, saved or returned, past the forward;
+* between: the caller drops the outputs (unless ``outputs_live``) and its loss's backward hands
+  the tangents over;
+* backward: the saved values and tangents live until their last use in the backward, every
+  value it computes likewise, and the gradients it returns until it ends.
+
+The peak adds the primals (parameters, buffers, inputs), alive throughout, as a plan's peak
+adds the model's state and inputs. Kernel workspaces are not in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ckptplan.errors import CkptPlanError
+from ckptplan.joint import JointGraph
+
+
+@dataclass(frozen=True)
+class PartitionReport:
+    """What a partition's step does. ``saved``: forward values handed to the backward;
+    ``recomputed``: forward values the forward computes and the backward computes again;
+    ``backward_order``: the values the backward graph computes, in order (recomputed ones and
+    forward values only the backward needs among them); ``peak_at``: the value at which the
+    step peaks (its phase says which graph)."""
+
+    peak_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    saved: tuple[int, ...]
+    recomputed: tuple[int, ...]
+    recompute_seconds: float
+    recompute_flops: int
+    forward_order: tuple[int, ...]
+    backward_order: tuple[int, ...]
+    peak_at: int
+    peak_in_backward: bool
+    live_at_peak: tuple[int, ...]  # values holding a storage at the peak, besides primals
+
+
+def _ancestors(graph: JointGraph, roots: Iterable[int], stop: set[int]) -> set[int]:
+    """Forward values reached from ``roots`` through forward values, not past ``stop``."""
+    found: set[int] = set()
+    stack = [r for r in roots if graph.values[r].phase == "forward"]
+    while stack:
+        i = stack.pop()
+        if i in found:
+            continue
+        found.add(i)
+        if i in stop:
+            continue
+        stack.extend(j for j in graph.values[i].inputs if graph.values[j].phase == "forward")
+    return found
+
+
+def backward_values(graph: JointGraph, saved: frozenset[int]) -> tuple[list[int], set[int]]:
+    """The values the backward computes, in its order, and the forward ones among them."""
+    values = graph.values
+    needed: set[int] = set()
+    stack = list(graph.backward_outputs)
+    while stack:
+        i = stack.pop()
+        if i in needed or values[i].phase in ("primal", "tangent") or i in saved:
+            continue
+        needed.add(i)
+        stack.extend(values[i].inputs)
+    again = {i for i in needed if values[i].phase == "forward"}
+    order: list[int] = []
+    placed: set[int] = set()
+
+    def place(i: int) -> None:
+        pending, todo = set(), [i]
+        while todo:
+            j = todo.pop()
+            if j in placed or j in pending or j not in needed:
+                continue
+            pending.add(j)
+            todo.extend(values[j].inputs)
+        for j in sorted(pending):
+            placed.add(j)
+            order.append(j)
+
+    # As PyTorch's reordering walks the backward graph (the joint's order): from the first node
+    # that reads a tangent, each node in turn, after what it needs that is not yet placed.
+    tangent_users = [j for v in values if v.phase == "tangent" for j in graph.users[v.index] if j in needed]
+    first = min(tangent_users, default=0)
+    for i in sorted(needed):
+        if i >= first:
+            place(i)
+    for i in sorted(needed - placed):  # what nothing from there on needs (no tangent read at all)
+        place(i)
+    return order, again
+
+
+def simulate_partition(graph: JointGraph, saved: Iterable[int]) -> PartitionReport:
+    """Simulate the step that saves ``saved`` (forward value indices; those the backward then
+    never reads are dropped, as the cut drops them)."""
+    saved_set = frozenset(saved)
+    values = graph.values
+    for i in saved_set:
+        if values[i].phase != "forward" or values[i].multi_output:
+            raise CkptPlanError(f"{values[i].name} is not a forward tensor; only forward tensors are saved.")
+    order_b, again = backward_values(graph, saved_set)
+    # A saved value the backward never reads is not saved: the cut drops it from the outputs.
+    read = {j for i in order_b for j in values[i].inputs} | set(graph.backward_outputs)
+    saved_set = frozenset(i for i in saved_set if i in read)
+    missing = [values[i].name for i in again if not values[i].recomputable]
+    if missing:
+        raise CkptPlanError(
+            f"The backward needs {', '.join(sorted(missing)[:3])}, which it cannot compute again; save it."
+        )
+    forward = sorted(_ancestors(graph, (*graph.forward_outputs, *saved_set), set()))
+    static = graph.static_storages
+    size = graph.storage_bytes
+
+    holders: dict[int, int] = {}  # storage -> values holding it
+    live = 0
+    holding: set[int] = set()
+
+    def hold(i: int) -> None:
+        nonlocal live
+        holding.add(i)
+        for s in values[i].storages:
+            if s in static:
+                continue
+            holders[s] = holders.get(s, 0) + 1
+            if holders[s] == 1:
+                live += size[s]
+
+    def release(i: int) -> None:
+        nonlocal live
+        if i not in holding:
+            return
+        holding.discard(i)
+        for s in values[i].storages:
+            if s in static:
+                continue
+            holders[s] -= 1
+            if holders[s] == 0:
+                live -= size[s]
+                del holders[s]
+
+    def last_uses(order: list[int], kept: set[int]) -> dict[int, int]:
+        """For each value read in ``order``, the position of its last reader (-1 if none)."""
+        last: dict[int, int] = {}
+        for position, i in enumerate(order):
+            for j in values[i].inputs:
+                last[j] = position
+        return {j: (len(order) if j in kept else p) for j, p in last.items()}
+
+    best = {False: (0, -1, ()), True: (0, -1, ())}  # per graph: live bytes, at value, values live
+
+    def note(i: int, backward: bool) -> None:
+        if live > best[backward][0]:
+            best[backward] = (live, i, tuple(sorted(holding)))
+
+    # Forward.
+    kept_f = set(graph.forward_outputs) | saved_set
+    last_f = last_uses(forward, kept_f)
+    readers_f: dict[int, list[int]] = {}
+    for j, p in last_f.items():
+        readers_f.setdefault(p, []).append(j)
+    for position, i in enumerate(forward):
+        hold(i)
+        note(i, False)
+        for j in readers_f.get(position, ()):
+            release(j)
+        if i not in last_f and i not in kept_f:
+            release(i)
+
+    # Between: outputs the caller drops, the tangents it hands over.
+    if not graph.outputs_live:
+        for i in graph.forward_outputs:
+            if i not in saved_set:
+                release(i)
+    for value in values:
+        if value.phase == "tangent":
+            hold(value.index)
+    held = list(holding)
+
+    # Backward: its inputs and its values freed after their last use; gradients kept.
+    kept_b = set(graph.backward_outputs)
+    if graph.outputs_live:
+        kept_b |= set(graph.forward_outputs)
+    last_b = last_uses(order_b, kept_b)
+    readers_b: dict[int, list[int]] = {}
+    for j, p in last_b.items():
+        readers_b.setdefault(p, []).append(j)
+    for i in held:
+        if i not in last_b:
+            release(i)  # a saved value or tangent the backward never reads
+    note(-1, True)
+    for position, i in enumerate(order_b):
+        hold(i)
+        note(i, True)
+        for j in readers_b.get(position, ()):
+            release(j)
+        if i not in last_b and i not in kept_b:
+            release(i)
+    (forward_peak, _, _), (backward_peak, _, _) = best[False], best[True]
+    in_backward = backward_peak > forward_peak
+    _, peak_at, live_at_peak = best[in_backward]
+    twice = sorted(again & set(forward))
+    return PartitionReport(
+        peak_bytes=graph.static_bytes + max(forward_peak, backward_peak),
+        forward_peak_bytes=graph.static_bytes + forward_peak,
+        backward_peak_bytes=graph.static_bytes + backward_peak,
+        saved=tuple(sorted(saved_set)),
+        recomputed=tuple(twice),
+        recompute_seconds=sum(values[i].cost for i in twice),
+        recompute_flops=sum(values[i].flops for i in twice),
+        forward_order=tuple(forward),
+        backward_order=tuple(order_b),
+        peak_at=peak_at,
+        peak_in_backward=in_backward,
+        live_at_peak=live_at_peak,
+    )

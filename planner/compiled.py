@@ -1,0 +1,213 @@
+"""``ckptplan.compile``: ``torch.compile`` with ckptplan deciding what the backward recomputes.
+
+AOTAutograd traces one joint forward-backward graph and hands it to a partitioner, which
+decides which forward values the forward saves for the backward; the backward computes every
+other one it needs again. Here that partitioner reads the joint graph (``profiler.joint``),
+solves for the saved set under an absolute byte budget (``solvers.partition``, checked by the
+exact model of the two graphs, ``ckptplan.partition``), and cuts the graphs with PyTorch's own
+``_extract_fwd_bwd_modules``, the backward ordered as ``reordering_to_mimic_autograd_engine``
+orders it, which the model assumes (checked at every partition).
+
+``backend="aot_eager"`` runs both graphs eagerly (what the model predicts exactly, kernel
+workspaces aside); ``backend="inductor"`` compiles them with inductor, whose fusion holds fewer
+buffers than the model counts.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import fx, nn
+
+from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
+from ckptplan.joint import JointGraph
+from ckptplan.partition import PartitionReport, simulate_partition
+from ckptplan.profiler.cost import A100, Roofline
+from ckptplan.profiler.joint import read_joint
+from ckptplan.solvers.partition import no_recompute, solve_partition
+from ckptplan.units import format_bytes, parse_budget
+
+Backend = Literal["inductor", "aot_eager"]
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    """What a compiled step saves and recomputes, named as in the joint graph.
+
+    ``budget_bytes``: the budget asked; ``baseline_peak_bytes``: the predicted peak with nothing
+    recomputed; ``peak_bytes``: the predicted peak of the partition chosen (what
+    ``measure_step`` counts: the step's allocations plus the model's state and inputs).
+    ``recompute_seconds`` and ``recompute_flops``: the work the backward repeats, priced on
+    ``priced_on``."""
+
+    graph: JointGraph
+    budget_bytes: int
+    baseline_peak_bytes: int
+    report: PartitionReport
+    priced_on: str | None
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.report.peak_bytes
+
+    @property
+    def saved(self) -> tuple[str, ...]:
+        return tuple(self.graph.values[i].name for i in self.report.saved)
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        return tuple(self.graph.values[i].name for i in self.report.recomputed)
+
+    @property
+    def recompute_seconds(self) -> float:
+        return self.report.recompute_seconds
+
+    @property
+    def recompute_flops(self) -> int:
+        return self.report.recompute_flops
+
+
+class Partitioner:
+    """The partition function handed to AOTAutograd (``partition_fn``) or to inductor
+    (``custom_partitioner_fn``). Each graph it partitions leaves its ``CompiledPlan`` in
+    ``plans``; a budget no partition meets leaves the least-peak one there and the error in
+    ``error``, raised by ``compile`` (an exception inside ``torch.compile`` reaches the caller
+    wrapped in Dynamo's own)."""
+
+    def __init__(self, budget: str | float, *, roofline: Roofline, outputs_live: bool, name: str) -> None:
+        self.budget, self.roofline, self.outputs_live, self.name = budget, roofline, outputs_live, name
+        self.plans: list[CompiledPlan] = []
+        self.error: CkptPlanError | None = None
+
+    def __call__(
+        self, joint: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int, **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from torch._functorch import partitioners
+
+        graph = read_joint(joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live)
+        baseline = simulate_partition(graph, no_recompute(graph))
+        budget_bytes = parse_budget(self.budget, baseline.peak_bytes)
+        found = solve_partition(graph, budget_bytes)
+        plan = CompiledPlan(graph, budget_bytes, baseline.peak_bytes, found.report, self.roofline.source)
+        self.plans.append(plan)
+        if not found.feasible:
+            self.error = InfeasibleBudgetError(
+                f"Budget {format_bytes(budget_bytes)} ({budget_bytes:,} bytes) is below the least peak the compiled "
+                f"step reached, {format_bytes(found.report.peak_bytes)} ({found.report.peak_bytes:,} bytes); "
+                "raise the budget.",
+                budget_bytes=budget_bytes, min_peak_bytes=found.report.peak_bytes, least_plan=plan,
+            )
+        nodes = {n.name: n for n in joint.graph.nodes}
+        in_backward = {graph.values[i].name for i in found.report.backward_order}
+        primals = [
+            n for n in joint.graph.nodes
+            if n.op == "placeholder" and "tangents" not in str(n.target)
+            and any(user.name in in_backward for user in n.users)
+        ]
+        saved = primals + [nodes[name] for name in plan.saved]
+        static = kwargs.get("static_lifetime_input_indices") or []
+        info = partitioners.classify_nodes(joint, static, num_fwd_outputs)
+        forward, backward = partitioners._extract_fwd_bwd_modules(
+            joint, saved, [], num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_nodes=info.static_lifetime_input_nodes,
+        )
+        forward.graph.eliminate_dead_code(is_impure_node=partitioners.is_not_collective)
+        backward.graph.eliminate_dead_code(is_impure_node=partitioners.is_not_collective)
+        backward = partitioners.reordering_to_mimic_autograd_engine(backward)
+        _check_order(forward, [graph.values[i].name for i in found.report.forward_order], "forward")
+        _check_order(backward, [graph.values[i].name for i in found.report.backward_order], "backward")
+        return forward, backward
+
+
+def _check_order(module: fx.GraphModule, predicted: list[str], which: str) -> None:
+    ran = [n.name for n in module.graph.nodes if n.op == "call_function"]
+    if ran != predicted:
+        raise CkptPlanError(
+            f"The {which} graph PyTorch cut runs {len(ran)} nodes in another order than the {len(predicted)} "
+            "the memory model assumes; please report this model."
+        )
+
+
+def _inductor_partitioner(partitioner: Partitioner) -> Any:
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    token = f"ckptplan-partitioner-{uuid.uuid4().hex}"
+
+    class InductorPartitioner(CustomPartitionerFn):
+        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> Any:
+            return partitioner(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> str:
+            # Inductor's and AOTAutograd's caches key on this: one partitioner's partitions may be
+            # reused, never another's (another budget).
+            return token
+
+        def __reduce__(self) -> tuple:
+            return (str, (token,))  # what the caches pickle of the config
+
+    return InductorPartitioner()
+
+
+def compile(
+    model: nn.Module,
+    args: Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    budget: str | float,
+    backend: Backend = "inductor",
+    outputs_live: bool = True,
+    roofline: Roofline | None = None,
+) -> nn.Module:
+    """``torch.compile(model)`` whose training step saves what ckptplan chooses for ``budget``.
+
+    ``budget``: bytes, a size (``"8GB"``) or a fraction of the compiled step's peak with nothing
+    recomputed, as the plan's peak counts it (the step's allocations plus the model's state and
+    inputs). The model is compiled whole (``fullgraph=True``) and run once on ``args`` and
+    ``kwargs`` to partition it; the returned module's ``ckptplan_plan`` is the
+    ``CompiledPlan`` of that partition (later recompilations, for other shapes, solve again).
+    ``outputs_live``: the training loop keeps the outputs until backward ends (``profile``'s
+    default). Raises ``InfeasibleBudgetError`` when no partition found fits the budget.
+    """
+    if backend not in ("inductor", "aot_eager"):
+        raise CkptPlanError(f"Unknown backend {backend!r}; use 'inductor' or 'aot_eager'.")
+    if not isinstance(model, nn.Module):
+        raise CkptPlanError(f"Expected a torch.nn.Module to compile, got {type(model).__name__}.")
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    partitioner = Partitioner(
+        budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__
+    )
+    if backend == "aot_eager":
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import select_decomp_table
+
+        # Inductor's decompositions, so that the joint graph is the one inductor would partition;
+        # random ops as eager runs them (``fallback_random``), so that dropout draws eager's masks.
+        with inductor_config.patch(fallback_random=True):
+            decompositions = select_decomp_table()
+        backend_fn = aot_autograd(
+            fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partitioner, decompositions=decompositions,
+        )
+        compiled = torch.compile(model, backend=backend_fn, fullgraph=True)
+    else:
+        compiled = torch.compile(
+            model, backend="inductor", fullgraph=True,
+            options={"custom_partitioner_fn": _inductor_partitioner(partitioner), "fallback_random": True},
+        )
+    with torch.enable_grad():
+        compiled(*args, **(kwargs or {}))  # compiles, and partitions, the training graph
+    if not partitioner.plans:
+        raise CkptPlanError(
+            f"torch.compile ran {type(model).__name__} without a training graph to partition: "
+            "does its output require grad?"
+        )
+    if partitioner.error is not None:
+        raise partitioner.error
+    compiled.ckptplan_plan = partitioner.plans[-1]
+    compiled.ckptplan_partitioner = partitioner
+    return compiled

@@ -1,0 +1,123 @@
+"""Read the joint forward-backward graph AOTAutograd hands a partitioner into a ``JointGraph``.
+
+Every node carries its value on fake tensors (``node.meta["val"]``): storages and their sizes
+come from those (a view shares its base's storage), FLOPs from ``torch.utils.flop_counter``'s
+formulas, time from the roofline. A node that depends on a tangent is the backward's; any other
+is the forward's, which the backward may compute again unless it draws random numbers or
+writes into a tensor.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import flop_registry
+
+from ckptplan.joint import JointGraph, JointValue, Phase
+from ckptplan.profiler.cost import Roofline
+
+
+def read_joint(
+    joint: fx.GraphModule, num_fwd_outputs: int, roofline: Roofline, *, name: str = "joint", outputs_live: bool = True
+) -> JointGraph:
+    """The ``JointGraph`` of ``joint``, whose output node returns the forward's
+    ``num_fwd_outputs`` outputs, then the gradients of its primals."""
+    storage_of: dict[Any, int] = {}
+    storage_bytes: list[int] = []
+    index: dict[fx.Node, int] = {}
+    values: list[JointValue] = []
+    backward: set[fx.Node] = set()
+    output = None
+    for node in joint.graph.nodes:
+        if node.op == "output":
+            output = node
+            break
+        tensors = _tensors(node.meta.get("val"))
+        storages = []
+        for t in tensors:
+            key = StorageWeakRef(t.untyped_storage())
+            if key not in storage_of:
+                storage_of[key] = len(storage_bytes)
+                storage_bytes.append(t.untyped_storage().nbytes())
+            if storage_of[key] not in storages:
+                storages.append(storage_of[key])
+        phase: Phase
+        if node.op == "placeholder":
+            phase = "tangent" if "tangents" in str(node.target) else "primal"
+            if phase == "tangent":
+                backward.add(node)
+        elif any(n in backward for n in node.all_input_nodes):
+            phase = "backward"
+            backward.add(node)
+        else:
+            phase = "forward"
+        flops = _flops(node) if node.op == "call_function" else 0
+        moved = sum(_nbytes(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
+        moved += sum(_nbytes(t) for t in tensors)
+        index[node] = len(values)
+        values.append(JointValue(
+            index=len(values),
+            name=node.name,
+            op=_op_name(node),
+            phase=phase,
+            inputs=tuple(dict.fromkeys(index[n] for n in node.all_input_nodes)),
+            storages=tuple(storages),
+            cost=roofline.seconds(flops, moved) if node.op == "call_function" else 0.0,
+            flops=flops,
+            recomputable=node.op == "call_function" and not _random(node) and not _writes(node),
+            multi_output=isinstance(node.meta.get("val"), (tuple, list)),
+        ))
+    if output is None:
+        raise ValueError("joint graph without an output node")
+    returned = list(output.args[0])
+    forward_outputs = [index[n] for n in returned[:num_fwd_outputs] if isinstance(n, fx.Node)]
+    backward_outputs = [index[n] for n in returned[num_fwd_outputs:] if isinstance(n, fx.Node)]
+    return JointGraph(
+        name=name,
+        values=tuple(values),
+        storage_bytes=tuple(storage_bytes),
+        forward_outputs=tuple(dict.fromkeys(forward_outputs)),
+        backward_outputs=tuple(dict.fromkeys(backward_outputs)),
+        outputs_live=outputs_live,
+        priced_on=roofline.source,
+    )
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_function":
+        return "getitem" if node.target is operator.getitem else str(node.target).replace("torch.ops.", "")
+    return node.op
+
+
+def _flops(node: fx.Node) -> int:
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet) if packet is not None else None
+    if formula is None:
+        return 0
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    try:
+        return int(formula(*args, out_val=node.meta.get("val"), **kwargs))
+    except Exception:  # noqa: BLE001 (a formula that does not fit this call counts nothing)
+        return 0
+
+
+def _random(node: fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def _writes(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)

@@ -1,0 +1,135 @@
+"""Which forward values a compiled step saves for its backward, under a byte budget.
+
+A pure kernel over a ``JointGraph``: every candidate is scored by ``simulate_partition``, the
+exact model of the two graphs it gives, so what it returns holds by construction.
+
+The search is greedy, in the manner of the memory-peak heuristics of Checkmate's baselines and
+of PyTorch's own partitioner: start from saving every forward value the backward reads (no
+recomputation); while the peak is over the budget, among the saved values live at the peak,
+stop saving the one that lowers the peak most per second of recomputation it adds (recomputed
+from what stays saved, or from its own inputs saved instead); then, in order of cost, save
+again each recomputed value whose saving keeps the peak within the budget. Values that draw
+random numbers or write to state are never recomputed: a dropout mask is saved, not drawn
+again, so gradients equal eager's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptplan.joint import JointGraph
+from ckptplan.partition import PartitionReport, backward_values, simulate_partition
+
+# Rounds of the greedy search at most, as a multiple of the candidates (each round removes one).
+_ROUNDS_PER_CANDIDATE = 2
+_EPSILON_SECONDS = 1e-12  # a move that recomputes nothing costly still divides by something
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A decision and its report. ``feasible``: its peak is within the budget asked."""
+
+    saved: frozenset[int]
+    report: PartitionReport
+    feasible: bool
+
+
+def must_save(graph: JointGraph, saved: frozenset[int]) -> frozenset[int]:
+    """``saved`` with every value the backward would need but cannot compute again."""
+    while True:
+        _, again = backward_values(graph, saved)
+        missing = set()
+        for i in again:
+            if graph.values[i].recomputable:
+                continue
+            if graph.values[i].multi_output:  # save the parts the backward needs instead
+                missing |= {j for j in graph.users[i] if j in again}
+            else:
+                missing.add(i)
+        if not missing:
+            return saved
+        saved = saved | missing
+
+
+def no_recompute(graph: JointGraph) -> frozenset[int]:
+    """Save every forward tensor the backward reads: what ``default_partition`` saves."""
+    return must_save(graph, frozenset(i for i in graph.saveable if not graph.values[i].multi_output))
+
+
+def solve_partition(graph: JointGraph, budget_bytes: int) -> Partition:
+    """The saved set for ``budget_bytes``; when none is found within it, the least peak found."""
+    saved = no_recompute(graph)
+    report = simulate_partition(graph, saved)
+    rounds = _ROUNDS_PER_CANDIDATE * max(1, len(graph.saveable))
+    while report.peak_bytes > budget_bytes and rounds > 0:
+        rounds -= 1
+        move = _best_move(graph, saved, report)
+        if move is None:
+            break
+        saved, report = move
+    if report.peak_bytes <= budget_bytes:
+        saved, report = _save_back(graph, saved, report, budget_bytes)
+    return Partition(saved=frozenset(report.saved), report=report, feasible=report.peak_bytes <= budget_bytes)
+
+
+def _best_move(
+    graph: JointGraph, saved: frozenset[int], report: PartitionReport
+) -> tuple[frozenset[int], PartitionReport] | None:
+    """The move that lowers the peak most per second of recomputation added, or None."""
+    values = graph.values
+    static = graph.static_storages
+    # Saved values live at the peak, and the saved values that keep a value live there by
+    # being computed from it later in the forward (the forward computes in joint order, where
+    # values only the backward reads come last).
+    held = [i for i in report.live_at_peak if i not in saved and values[i].phase == "forward"]
+    later = _forward_descendants(graph, held) & saved
+    candidates = sorted(
+        i for i in {*report.live_at_peak, *later}
+        if i in saved and values[i].recomputable and any(s not in static for s in values[i].storages)
+    )
+    # A move must lower the step's peak, or, where the forward and the backward peak alike,
+    # lower the graph's peak the step is at without raising the other.
+    at_peak = "backward_peak_bytes" if report.peak_in_backward else "forward_peak_bytes"
+    best, best_score = None, (0, 0.0)
+    for i in candidates:
+        inputs = {j for j in values[i].inputs if values[j].phase == "forward" and not values[j].multi_output}
+        for option in (saved - {i}, (saved - {i}) | inputs):
+            option = must_save(graph, frozenset(option))
+            if option == saved:
+                continue
+            trial = simulate_partition(graph, option)
+            gain = report.peak_bytes - trial.peak_bytes
+            local = getattr(report, at_peak) - getattr(trial, at_peak)
+            if gain < 0 or (gain == 0 and local <= 0):
+                continue
+            added = max(trial.recompute_seconds - report.recompute_seconds, _EPSILON_SECONDS)
+            score = (1, gain / added) if gain > 0 else (0, local / added)
+            if score > best_score:
+                best, best_score = (option, trial), score
+    return best
+
+
+def _forward_descendants(graph: JointGraph, roots: list[int]) -> set[int]:
+    found: set[int] = set()
+    stack = list(roots)
+    while stack:
+        i = stack.pop()
+        for j in graph.users[i]:
+            if j not in found and graph.values[j].phase == "forward":
+                found.add(j)
+                stack.append(j)
+    return found
+
+
+def _save_back(
+    graph: JointGraph, saved: frozenset[int], report: PartitionReport, budget_bytes: int
+) -> tuple[frozenset[int], PartitionReport]:
+    """Save again the recomputed values, costliest first, while the peak stays in budget."""
+    for i in sorted(report.recomputed, key=lambda i: (-graph.values[i].cost, i)):
+        if i in saved or i not in report.recomputed or graph.values[i].multi_output:
+            continue
+        option = saved | {i}
+        trial = simulate_partition(graph, option)
+        if trial.peak_bytes <= budget_bytes and trial.recompute_seconds < report.recompute_seconds:
+            saved, report = option, trial
+    return saved, report

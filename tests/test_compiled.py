@@ -1,0 +1,155 @@
+"""``ckptplan.compile``: the compiled step's partition is ckptplan's, its memory model is the
+partitioned graphs' as they run, and its gradients are eager's."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import ckptplan
+from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
+from ckptplan.joint import JointGraph, JointValue
+from ckptplan.partition import simulate_partition
+from ckptplan.profiler.loss import training_loss
+from ckptplan.solvers.partition import no_recompute, solve_partition
+
+
+def _mlp(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[
+        nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Dropout(dropout), nn.Linear(256, 64))
+        for _ in range(4)
+    ])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _measured(module: nn.Module, x: torch.Tensor) -> int:
+    ckptplan.measure_step(module, (x,), outputs_live=False)
+    return ckptplan.measure_step(module, (x,), outputs_live=False).peak_bytes
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.8, 0.65])
+def test_the_compiled_step_peaks_as_the_partition_model_says(budget: float) -> None:
+    """Under aot_eager the prediction is the allocator's count to the scalar loss's bytes, and
+    a lower budget recomputes more and measures less."""
+    model, x = _mlp(), torch.randn(1024, 64)
+    compiled = ckptplan.compile(model, (x,), budget=budget, backend="aot_eager", outputs_live=False)
+    plan = compiled.ckptplan_plan
+    assert plan.peak_bytes <= plan.budget_bytes
+    assert bool(plan.recomputed) == (budget < 1.0)
+    measured = _measured(compiled, x)
+    assert 0 <= measured - plan.peak_bytes <= 64
+
+
+def test_lower_budgets_measure_lower_peaks() -> None:
+    x = torch.randn(1024, 64)
+    peaks = []
+    for budget in (1.0, 0.8, 0.65):
+        torch._dynamo.reset()
+        compiled = ckptplan.compile(_mlp(), (x,), budget=budget, backend="aot_eager", outputs_live=False)
+        peaks.append(_measured(compiled, x))
+    assert peaks[0] > peaks[1] > peaks[2]
+
+
+def test_gradients_equal_eager_with_dropout() -> None:
+    """Dropout masks are drawn as eager draws them and saved, never drawn again: the compiled
+    step's gradients are eager's for the same random stream."""
+    model, x = _mlp(dropout=0.2), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+    compiled = ckptplan.compile(model, (x,), budget=0.8, backend="aot_eager", outputs_live=False)
+    assert compiled.ckptplan_plan.recomputed
+    random = [v for v in compiled.ckptplan_plan.graph.values if not v.recomputable and v.phase == "forward"]
+    assert random and not {v.name for v in random} & set(compiled.ckptplan_plan.recomputed)
+    for module in (compiled, reference):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        training_loss(module(x)).backward()
+    # Inductor's decompositions (of layer norm and GELU) round differently from eager's kernels;
+    # a different dropout mask would differ by whole activations (about 10 here).
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+
+
+def test_a_budget_below_the_least_peak_says_so() -> None:
+    x = torch.randn(1024, 64)
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        ckptplan.compile(_mlp(), (x,), budget=0.05, backend="aot_eager")
+    assert caught.value.min_peak_bytes > caught.value.budget_bytes
+    with pytest.raises(CkptPlanError, match="backend"):
+        ckptplan.compile(_mlp(), (x,), budget=0.5, backend="eager")
+
+
+def test_the_solver_only_returns_what_the_model_checks() -> None:
+    """Each returned partition is the model's own report of it, within budget when feasible,
+    and recomputes nothing at the no-recompute peak."""
+    model, x = _mlp(), torch.randn(128, 64)
+    compiled = ckptplan.compile(model, (x,), budget=1.0, backend="aot_eager")
+    graph = compiled.ckptplan_plan.graph
+    baseline = simulate_partition(graph, no_recompute(graph)).peak_bytes
+    for fraction in (1.0, 0.8, 0.6, 0.4):
+        found = solve_partition(graph, int(fraction * baseline))
+        assert simulate_partition(graph, found.saved) == found.report
+        assert found.feasible == (found.report.peak_bytes <= int(fraction * baseline))
+    assert not solve_partition(graph, baseline).report.recomputed
+
+
+def _chain() -> JointGraph:
+    """x → a → b → out (4 bytes each but a: 8); backward: t → gb(b, t) → ga(a, gb) = dx."""
+    v = [
+        JointValue(0, "x", "placeholder", "primal", storages=(0,)),
+        JointValue(1, "a", "f", "forward", inputs=(0,), storages=(1,), cost=2.0),
+        JointValue(2, "b", "f", "forward", inputs=(1,), storages=(2,), cost=1.0),
+        JointValue(3, "out", "f", "forward", inputs=(2,), storages=(3,), cost=1.0),
+        JointValue(4, "t", "placeholder", "tangent", storages=(4,)),
+        JointValue(5, "gb", "g", "backward", inputs=(2, 4), storages=(5,)),
+        JointValue(6, "ga", "g", "backward", inputs=(1, 5), storages=(6,)),
+    ]
+    return JointGraph("chain", tuple(v), (4, 8, 4, 4, 4, 4, 4), forward_outputs=(3,), backward_outputs=(6,),
+                      outputs_live=False)
+
+
+def test_the_partition_model_on_a_chain_by_hand() -> None:
+    graph = _chain()
+    everything = simulate_partition(graph, {1, 2})
+    # forward: a(8) + b(4) + out(4) at out; backward: a, b, t, gb at gb = 8 + 4 + 4 + 4 = 20
+    assert (everything.forward_peak_bytes, everything.backward_peak_bytes) == (4 + 16, 4 + 20)
+    assert everything.recomputed == () and everything.backward_order == (5, 6)
+    # Saving b only: the backward computes a again after gb, from x.
+    b_only = simulate_partition(graph, {2})
+    assert b_only.recomputed == (1,) and b_only.recompute_seconds == 2.0
+    assert b_only.backward_order == (5, 1, 6)
+    assert b_only.backward_peak_bytes == 4 + 4 + 8 + 4  # gb, a, ga (b and t freed after gb)
+    # A value the backward never reads is not saved.
+    assert simulate_partition(graph, {1, 2, 3}).saved == (1, 2)
+    with pytest.raises(CkptPlanError):
+        simulate_partition(graph, {5})
+    random = dataclasses.replace(graph, values=tuple(
+        dataclasses.replace(v, recomputable=False) if v.name == "a" else v for v in graph.values))
+    with pytest.raises(CkptPlanError, match="cannot compute again"):
+        simulate_partition(random, {2})
+    assert no_recompute(random) == frozenset({1, 2})
+
+
+def test_the_inductor_backend_takes_the_partition() -> None:
+    """Inductor compiles the graphs ckptplan cut (its fusion holds fewer buffers than the model
+    counts, so the prediction is an upper bound there, not exact)."""
+    model, x = _mlp(dropout=0.1), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+    compiled = ckptplan.compile(model, (x,), budget=0.8, backend="inductor")
+    assert compiled.ckptplan_plan.recomputed
+    for module in (compiled, reference):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        training_loss(module(x)).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
