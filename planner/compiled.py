@@ -15,6 +15,7 @@ buffers than the model counts.
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ class Partitioner:
         graph = read_joint(joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live)
         baseline = simulate_partition(graph, no_recompute(graph))
         budget_bytes = parse_budget(self.budget, baseline.peak_bytes)
-        found = solve_partition(graph, budget_bytes)
+        found = solve_partition(graph, budget_bytes, starts=[_min_cut_saved(joint, graph, num_fwd_outputs, kwargs)])
         plan = CompiledPlan(graph, budget_bytes, baseline.peak_bytes, found.report, self.roofline.source)
         self.plans.append(plan)
         if not found.feasible:
@@ -121,6 +122,27 @@ class Partitioner:
         _check_order(forward, [graph.values[i].name for i in found.report.forward_order], "forward")
         _check_order(backward, [graph.values[i].name for i in found.report.backward_order], "backward")
         return forward, backward
+
+
+def _min_cut_saved(
+    joint: fx.GraphModule, graph: JointGraph, num_fwd_outputs: int, kwargs: dict[str, Any]
+) -> list[int]:
+    """What PyTorch's min-cut partitioner saves with no memory budget (it saves the inputs of
+    cheap pointwise chains rather than their outputs), as value indices: a start for the search.
+    Run on a copy, since it tags the graph it cuts; empty when it fails."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch import partitioners
+
+    try:
+        with functorch_config.patch(activation_memory_budget=1.0):
+            forward, _ = partitioners.min_cut_rematerialization_partition(
+                copy.deepcopy(joint), None, num_fwd_outputs=num_fwd_outputs, **kwargs
+            )
+    except Exception:  # noqa: BLE001 (only a start for the search; the search runs without it)
+        return []
+    names = {v.name: v.index for v in graph.values if v.phase == "forward" and not v.multi_output}
+    returned = list(forward.graph.output_node().args[0])[num_fwd_outputs:]
+    return [names[n.name] for n in returned if isinstance(n, fx.Node) and n.name in names]
 
 
 def _check_order(module: fx.GraphModule, predicted: list[str], which: str) -> None:

@@ -5,7 +5,7 @@ exact model of the two graphs it gives, so what it returns holds by construction
 
 The search is greedy, in the manner of the memory-peak heuristics of Checkmate's baselines and
 of PyTorch's own partitioner: start from saving every forward value the backward reads (no
-recomputation); while the peak is over the budget, among the saved values live at the peak,
+recomputation), or from a partition the caller hands over when that is better; while the peak is over the budget, among the saved values live at the peak,
 stop saving the one that lowers the peak most per second of recomputation it adds (recomputed
 from what stays saved, or from its own inputs saved instead); then, in order of cost, save
 again each recomputed value whose saving keeps the peak within the budget. Values that draw
@@ -15,6 +15,7 @@ again, so gradients equal eager's.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ckptplan.joint import JointGraph
@@ -56,10 +57,17 @@ def no_recompute(graph: JointGraph) -> frozenset[int]:
     return must_save(graph, frozenset(i for i in graph.saveable if not graph.values[i].multi_output))
 
 
-def solve_partition(graph: JointGraph, budget_bytes: int) -> Partition:
-    """The saved set for ``budget_bytes``; when none is found within it, the least peak found."""
-    saved = no_recompute(graph)
-    report = simulate_partition(graph, saved)
+def solve_partition(
+    graph: JointGraph, budget_bytes: int, starts: Iterable[Iterable[int]] = ()
+) -> Partition:
+    """The saved set for ``budget_bytes``; when none is found within it, the least peak found.
+    ``starts``: other saved sets to search from besides saving everything the backward reads
+    (PyTorch's own min-cut partition, say); the search starts from the one of least peak, then
+    least recomputation."""
+    options = [no_recompute(graph), *(must_save(graph, frozenset(start)) for start in starts)]
+    reports = [simulate_partition(graph, option) for option in options]
+    report = min(reports, key=lambda r: (max(r.peak_bytes, budget_bytes), r.recompute_seconds, r.peak_bytes))
+    saved = frozenset(report.saved)
     rounds = _ROUNDS_PER_CANDIDATE * max(1, len(graph.saveable))
     while report.peak_bytes > budget_bytes and rounds > 0:
         rounds -= 1
