@@ -32,7 +32,8 @@ class JointValue:
     holds. ``cost``: seconds to compute it, ``flops`` its FLOPs. ``recomputable``: the backward
     may compute it again (not a random draw, which would differ; not a write to state).
     ``multi_output``: its value is a tuple that ``getitem`` values take apart; never saved
-    itself (its parts are).
+    itself (its parts are). ``workspace_bytes``: what its kernel allocates and frees while it
+    runs, beyond its outputs (measured by running it, where the tensors are real).
     """
 
     index: int
@@ -45,6 +46,7 @@ class JointValue:
     flops: int = 0
     recomputable: bool = True
     multi_output: bool = False
+    workspace_bytes: int = 0
 
 
 @dataclass(frozen=True)

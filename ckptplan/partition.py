@@ -15,8 +15,8 @@ too), the live bytes at every node are exact for ``backend="aot_eager"``:
 * backward: the saved values and tangents live until their last use in the backward, every
   value it computes likewise, and the gradients it returns until it ends.
 
-The peak adds the primals (parameters, buffers, inputs), alive throughout, as a plan's peak
-adds the model's state and inputs. Kernel workspaces are not in it.
+Each node's kernel workspace counts while it runs. The peak adds the primals (parameters,
+buffers, inputs), alive throughout, as a plan's peak adds the model's state and inputs.
 """
 
 from __future__ import annotations
@@ -163,8 +163,9 @@ def simulate_partition(graph: JointGraph, saved: Iterable[int]) -> PartitionRepo
     best = {False: (0, -1, ()), True: (0, -1, ())}  # per graph: live bytes, at value, values live
 
     def note(i: int, backward: bool) -> None:
-        if live > best[backward][0]:
-            best[backward] = (live, i, tuple(sorted(holding)))
+        at = live + (values[i].workspace_bytes if i >= 0 else 0)
+        if at > best[backward][0]:
+            best[backward] = (at, i, tuple(sorted(holding)))
 
     # Forward.
     kept_f = set(graph.forward_outputs) | saved_set

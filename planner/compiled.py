@@ -8,8 +8,8 @@ exact model of the two graphs, ``ckptplan.partition``), and cuts the graphs with
 ``_extract_fwd_bwd_modules``, the backward ordered as ``reordering_to_mimic_autograd_engine``
 orders it, which the model assumes (checked at every partition).
 
-``backend="aot_eager"`` runs both graphs eagerly (what the model predicts exactly, kernel
-workspaces aside); ``backend="inductor"`` compiles them with inductor, whose fusion holds fewer
+``backend="aot_eager"`` runs both graphs eagerly (what the model predicts, each op's kernel
+workspace measured by running it once); ``backend="inductor"`` compiles them with inductor, whose fusion holds fewer
 buffers than the model counts.
 """
 
@@ -89,7 +89,10 @@ class Partitioner:
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         from torch._functorch import partitioners
 
-        graph = read_joint(joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live)
+        graph = read_joint(
+            joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live,
+            workspaces=_real_device(joint),
+        )
         baseline = simulate_partition(graph, no_recompute(graph))
         budget_bytes = parse_budget(self.budget, baseline.peak_bytes)
         found = solve_partition(graph, budget_bytes, starts=[_min_cut_saved(joint, graph, num_fwd_outputs, kwargs)])
@@ -122,6 +125,15 @@ class Partitioner:
         _check_order(forward, [graph.values[i].name for i in found.report.forward_order], "forward")
         _check_order(backward, [graph.values[i].name for i in found.report.backward_order], "backward")
         return forward, backward
+
+
+def _real_device(joint: fx.GraphModule) -> torch.device | None:
+    """The device the step's tensors are on, where kernels can run to measure workspaces."""
+    for node in joint.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return value.device if value.device.type in ("cpu", "cuda") else None
+    return None
 
 
 def _min_cut_saved(

@@ -10,23 +10,34 @@ writes into a tensor.
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
 from ckptplan.joint import JointGraph, JointValue, Phase
 from ckptplan.profiler.cost import Roofline
+from ckptplan.profiler.workspace import Call, call_key, measure_workspaces
 
 
 def read_joint(
-    joint: fx.GraphModule, num_fwd_outputs: int, roofline: Roofline, *, name: str = "joint", outputs_live: bool = True
+    joint: fx.GraphModule,
+    num_fwd_outputs: int,
+    roofline: Roofline,
+    *,
+    name: str = "joint",
+    outputs_live: bool = True,
+    workspaces: torch.device | None = None,
 ) -> JointGraph:
     """The ``JointGraph`` of ``joint``, whose output node returns the forward's
-    ``num_fwd_outputs`` outputs, then the gradients of its primals."""
+    ``num_fwd_outputs`` outputs, then the gradients of its primals. ``workspaces``: run each
+    distinct op once for real on this device to measure its kernel's workspace
+    (``profiler.workspace``)."""
     storage_of: dict[Any, int] = {}
     storage_bytes: list[int] = []
     index: dict[fx.Node, int] = {}
@@ -74,6 +85,13 @@ def read_joint(
         ))
     if output is None:
         raise ValueError("joint graph without an output node")
+    if workspaces is not None:
+        # A partitioner runs inside AOTAutograd's tracing, under its fake mode: step out of it.
+        with unset_fake_temporarily():
+            found = measure_workspaces(_calls(joint), workspaces)
+        values = [
+            replace(v, workspace_bytes=found[v.name].fwd_bytes) if v.name in found else v for v in values
+        ]
     returned = list(output.args[0])
     forward_outputs = [index[n] for n in returned[:num_fwd_outputs] if isinstance(n, fx.Node)]
     backward_outputs = [index[n] for n in returned[num_fwd_outputs:] if isinstance(n, fx.Node)]
@@ -86,6 +104,30 @@ def read_joint(
         outputs_live=outputs_live,
         priced_on=roofline.source,
     )
+
+
+def _calls(joint: fx.GraphModule) -> list[Call]:
+    """Each op node as ``measure_workspaces`` runs it: on fresh tensors of its arguments'
+    shapes, strides and dtypes (stand-ins on ``meta``, which need no gradient)."""
+
+    def stand_in(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return value
+
+    calls = []
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+        args, kwargs = pytree.tree_map(stand_in, (args, kwargs))
+        target = node.target
+
+        def prepare(target: Any = target) -> tuple[Any, tuple]:
+            return (lambda a, k: target(*a, **k)), ()
+
+        calls.append(Call(node.name, call_key(target, args, kwargs), prepare, args, kwargs))
+    return calls
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -51,6 +51,22 @@ def test_the_compiled_step_peaks_as_the_partition_model_says(budget: float) -> N
     assert 0 <= measured - plan.peak_bytes <= 64
 
 
+def test_convolution_workspaces_are_in_the_compiled_prediction() -> None:
+    """The partitioner runs each op of the joint graph once for real to measure its kernel's
+    workspace (a CPU convolution unfolds its input): with them, the prediction is the
+    allocator's count."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.SiLU(), nn.Conv2d(16, 16, 3, padding=1), nn.SiLU(),
+                          nn.Conv2d(16, 8, 3, padding=1))
+    x = torch.randn(8, 3, 32, 32)
+    for budget in (1.0, 0.8):
+        torch._dynamo.reset()
+        compiled = ckptplan.compile(model, (x,), budget=budget, backend="aot_eager", outputs_live=False)
+        plan = compiled.ckptplan_plan
+        assert any(v.workspace_bytes for v in plan.graph.values if "convolution" in v.op)
+        assert 0 <= _measured(compiled, x) - plan.peak_bytes <= 64
+
+
 def test_lower_budgets_measure_lower_peaks() -> None:
     x = torch.randn(1024, 64)
     peaks = []
