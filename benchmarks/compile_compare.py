@@ -11,8 +11,9 @@ each knob setting's measured peak, and at the least peak it reaches, its recompu
 FLOPs (``profiler.cost.FLOPS``: the comparison is of FLOPs computed again). Each row: the allocator's
 peak over one step (``measure_step``, the loop dropping the outputs), ckptplan's predicted peak,
 the FLOPs the backward computes again (forward nodes the backward graph runs that the forward
-graph ran too), the step time over the eager model's (median of paired steps), and the seconds
-the partitioner spent. Writes ``benchmarks/results/compile_compare.md`` and ``.json``.
+graph ran too), the step time over the eager model's (median of paired steps), whether the
+gradients equal eager's for the same seed (``torch.testing.assert_close``'s defaults; a knob
+setting that recomputes dropout draws new masks), and the seconds the partitioner spent. Writes ``benchmarks/results/compile_compare.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -74,16 +75,21 @@ def _peak(module: nn.Module, work: compare.Workload) -> int:
 def run_case(case: compare.Case, repeats: int) -> list[dict[str, Any]]:
     work = case.build()
     rows: list[dict[str, Any]] = []
+    compare._step(work.model, work)  # the eager step's gradients, for the same seed
+    reference = compare._grads(work.model)
 
     def row(method: str, module: nn.Module, **fields: Any) -> None:
         peak = _peak(module, work)
+        compare._step(module, work)
+        gradients = compare._compare_grads(reference, work.model)
         ratio = compare.time_ratio(module, work, repeats)
         rows.append({"model": case.name, "method": method, "measured_peak_bytes": peak, "step_time_ratio": ratio,
-                     **fields})
+                     "gradients_equal": gradients, **fields})
         predicted = fields.get("predicted_peak_bytes")
         print(f"{case.name} | {method} | {ckptplan.format_bytes(peak)}"
               + (f" (predicted {ckptplan.format_bytes(predicted)})" if predicted else "")
-              + f" | {fields.get('recompute_flops', 0) / 1e9:.2f} GFLOP again | {ratio:.2f}x", flush=True)
+              + f" | {fields.get('recompute_flops', 0) / 1e9:.2f} GFLOP again | {ratio:.2f}x | gradients {gradients}",
+              flush=True)
 
     for knob in KNOBS:
         torch._dynamo.reset()
@@ -129,13 +135,13 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     def mib(n: Any) -> str:
         return "-" if n is None else f"{n / 2**20:.2f}"
 
-    lines = ["| model | method | measured peak (MiB) | predicted (MiB) | error | GFLOP again | step time |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | method | measured peak (MiB) | predicted (MiB) | error | GFLOP again | step time | gradients |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         predicted = r.get("predicted_peak_bytes")
         error = "-" if predicted is None else f"{(predicted - r['measured_peak_bytes']) / r['measured_peak_bytes']:+.2%}"
         lines.append(f"| {r['model']} | {r['method']} | {mib(r['measured_peak_bytes'])} | {mib(predicted)} | {error} | "
-                     f"{r['recompute_flops'] / 1e9:.2f} | {r['step_time_ratio']:.2f}x |")
+                     f"{r['recompute_flops'] / 1e9:.2f} | {r['step_time_ratio']:.2f}x | {r['gradients_equal']} |")
     return lines
 
 

@@ -4,7 +4,8 @@ Given the forward values to save, the two graphs are what AOTAutograd's
 ``_extract_fwd_bwd_modules`` cuts from the joint graph, with the backward in the order
 ``planner.compiled`` gives it (PyTorch's ``reordering_to_mimic_autograd_engine``): from the
 first node that reads a tangent on, the backward graph's nodes in joint order, each preceded by
-what it needs that is not yet computed, in joint order. Run as graph modules do (each value freed
+what it needs that is not yet computed, in joint order; in both graphs each ``getitem`` right
+after the tuple it takes apart (PyTorch's ``raise_getitems``). Run as graph modules do (each value freed
 after its last use in its graph; the backward's inputs, the saved values and tangents,
 too), the live bytes at every node are exact for ``backend="aot_eager"``:
 
@@ -101,7 +102,26 @@ def backward_values(graph: JointGraph, saved: frozenset[int]) -> tuple[list[int]
             place(i)
     for i in sorted(needed - placed):  # what nothing from there on needs (no tangent read at all)
         place(i)
-    return order, again
+    return raise_getitems(graph, order), again
+
+
+def raise_getitems(graph: JointGraph, order: list[int]) -> list[int]:
+    """``order`` with each ``getitem`` moved right after the value it takes apart, as PyTorch's
+    ``raise_getitems`` moves them (a tuple then dies with its last part taken, not at a part
+    the joint graph takes late)."""
+    values = graph.values
+    in_order = set(order)
+    parts: dict[int, list[int]] = {}
+    for i in order:
+        if values[i].op == "getitem" and values[i].inputs and values[i].inputs[0] in in_order:
+            parts.setdefault(values[i].inputs[0], []).append(i)
+    moved = {i for taken in parts.values() for i in taken}
+    raised: list[int] = []
+    for i in order:
+        if i not in moved:
+            raised.append(i)
+            raised.extend(parts.get(i, ()))
+    return raised
 
 
 def simulate_partition(graph: JointGraph, saved: Iterable[int]) -> PartitionReport:
@@ -121,7 +141,7 @@ def simulate_partition(graph: JointGraph, saved: Iterable[int]) -> PartitionRepo
         raise CkptPlanError(
             f"The backward needs {', '.join(sorted(missing)[:3])}, which it cannot compute again; save it."
         )
-    forward = sorted(_ancestors(graph, (*graph.forward_outputs, *saved_set), set()))
+    forward = raise_getitems(graph, sorted(_ancestors(graph, (*graph.forward_outputs, *saved_set), set())))
     static = graph.static_storages
     size = graph.storage_bytes
 

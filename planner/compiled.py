@@ -16,6 +16,7 @@ buffers than the model counts.
 from __future__ import annotations
 
 import copy
+import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,9 +29,11 @@ from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.joint import JointGraph
 from ckptplan.partition import PartitionReport, simulate_partition
 from ckptplan.profiler.cost import A100, Roofline
-from ckptplan.profiler.joint import read_joint
+from ckptplan.profiler.joint import dropout_from_masks, read_joint
 from ckptplan.solvers.partition import no_recompute, solve_partition
 from ckptplan.units import format_bytes, parse_budget
+
+log = logging.getLogger(__name__)
 
 Backend = Literal["inductor", "aot_eager"]
 
@@ -87,15 +90,23 @@ class Partitioner:
     def __call__(
         self, joint: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int, **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from torch._functorch import config as functorch_config
         from torch._functorch import partitioners
+        from torch._functorch.compile_utils import fx_graph_cse, raise_getitems
 
+        if functorch_config.cse:
+            # As the min-cut partitioner does first: the backward's copies of forward
+            # computations (a GELU's derivative recomputing its input's scaling) become one.
+            joint.graph = fx_graph_cse(joint.graph)
+            joint.recompile()
+        dropout_from_masks(joint)
         graph = read_joint(
             joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live,
             workspaces=_real_device(joint),
         )
         baseline = simulate_partition(graph, no_recompute(graph))
         budget_bytes = parse_budget(self.budget, baseline.peak_bytes)
-        found = solve_partition(graph, budget_bytes, starts=[_min_cut_saved(joint, graph, num_fwd_outputs, kwargs)])
+        found = solve_partition(graph, budget_bytes, starts=_min_cut_starts(joint, graph, num_fwd_outputs, kwargs))
         plan = CompiledPlan(graph, budget_bytes, baseline.peak_bytes, found.report, self.roofline.source)
         self.plans.append(plan)
         if not found.feasible:
@@ -122,6 +133,7 @@ class Partitioner:
         forward.graph.eliminate_dead_code(is_impure_node=partitioners.is_not_collective)
         backward.graph.eliminate_dead_code(is_impure_node=partitioners.is_not_collective)
         backward = partitioners.reordering_to_mimic_autograd_engine(backward)
+        forward, backward = raise_getitems(forward), raise_getitems(backward)
         _check_order(forward, [graph.values[i].name for i in found.report.forward_order], "forward")
         _check_order(backward, [graph.values[i].name for i in found.report.backward_order], "backward")
         return forward, backward
@@ -136,25 +148,35 @@ def _real_device(joint: fx.GraphModule) -> torch.device | None:
     return None
 
 
-def _min_cut_saved(
+# The memory-budget settings of PyTorch's min-cut partitioner whose partitions start the search.
+_MIN_CUT_STARTS = (1.0, 0.5, 0.0)
+
+
+def _min_cut_starts(
     joint: fx.GraphModule, graph: JointGraph, num_fwd_outputs: int, kwargs: dict[str, Any]
-) -> list[int]:
-    """What PyTorch's min-cut partitioner saves with no memory budget (it saves the inputs of
-    cheap pointwise chains rather than their outputs), as value indices: a start for the search.
-    Run on a copy, since it tags the graph it cuts; empty when it fails."""
+) -> list[list[int]]:
+    """What PyTorch's min-cut partitioner saves at a few memory budgets (at 1.0 it saves the
+    inputs of cheap pointwise chains rather than their outputs), as value indices: starts for
+    the search, which makes them valid first (where min-cut recomputes a random op, the
+    search saves what the backward needs of it instead). Each runs on a copy, since it tags the
+    graph it cuts; one that fails is left out."""
     from torch._functorch import config as functorch_config
     from torch._functorch import partitioners
 
-    try:
-        with functorch_config.patch(activation_memory_budget=1.0):
-            forward, _ = partitioners.min_cut_rematerialization_partition(
-                copy.deepcopy(joint), None, num_fwd_outputs=num_fwd_outputs, **kwargs
-            )
-    except Exception:  # noqa: BLE001 (only a start for the search; the search runs without it)
-        return []
     names = {v.name: v.index for v in graph.values if v.phase == "forward" and not v.multi_output}
-    returned = list(forward.graph.output_node().args[0])[num_fwd_outputs:]
-    return [names[n.name] for n in returned if isinstance(n, fx.Node) and n.name in names]
+    starts = []
+    for budget in _MIN_CUT_STARTS:
+        try:
+            with functorch_config.patch(activation_memory_budget=budget):
+                forward, _ = partitioners.min_cut_rematerialization_partition(
+                    copy.deepcopy(joint), None, num_fwd_outputs=num_fwd_outputs, **kwargs
+                )
+        except Exception as exc:  # noqa: BLE001 (only a start for the search; the search runs without it)
+            log.debug("min-cut partition at budget %s failed (%s); not a start", budget, exc)
+            continue
+        returned = list(forward.graph.output_node().args[0])[num_fwd_outputs:]
+        starts.append([names[n.name] for n in returned if isinstance(n, fx.Node) and n.name in names])
+    return starts
 
 
 def _check_order(module: fx.GraphModule, predicted: list[str], which: str) -> None:

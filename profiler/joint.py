@@ -106,6 +106,53 @@ def read_joint(
     )
 
 
+def dropout_from_masks(joint: fx.GraphModule) -> int:
+    """Let the backward make a dropout's output again from its mask: where the backward reads
+    ``native_dropout``'s output, it reads ``input * mask * (1 / (1 - p))`` instead, new nodes
+    that depend on no tangent, so the partition may save the one-byte mask (and the input,
+    often saved anyway) rather than the output, and never draws the mask again. The product is
+    the kernel's own (a kept element is ``input * scale``, a dropped one 0), bit for bit.
+    Returns how many dropouts were rewritten."""
+    graph = joint.graph
+    backward: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and "tangents" in str(node.target)) or any(
+            n in backward for n in node.all_input_nodes
+        ):
+            backward.add(node)
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.native_dropout.default or node in backward:
+            continue
+        source, p, train = (list(node.args) + [None])[:3]
+        if not train or not isinstance(p, float) or not 0 < p < 1:
+            continue
+        parts = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+        output = parts.get(0)
+        readers = [user for user in output.users if user in backward] if output is not None else []
+        if not readers:
+            continue
+        if 1 not in parts:
+            with graph.inserting_after(output):
+                parts[1] = graph.call_function(operator.getitem, (node, 1))
+            parts[1].meta["val"] = node.meta["val"][1]
+        first = min(readers, key=list(graph.nodes).index)
+        with graph.inserting_before(first):
+            kept = graph.call_function(torch.ops.aten.mul.Tensor, (source, parts[1]))
+            again = graph.call_function(torch.ops.aten.mul.Tensor, (kept, 1.0 / (1.0 - p)))
+        fake = output.meta["val"]
+        with fake.fake_mode:
+            kept.meta["val"] = source.meta["val"] * parts[1].meta["val"]
+            again.meta["val"] = kept.meta["val"] * (1.0 / (1.0 - p))
+        for reader in readers:
+            reader.replace_input_with(output, again)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        joint.recompile()
+    return rewritten
+
+
 def _calls(joint: fx.GraphModule) -> list[Call]:
     """Each op node as ``measure_workspaces`` runs it: on fresh tensors of its arguments'
     shapes, strides and dtypes (stand-ins on ``meta``, which need no gradient)."""
