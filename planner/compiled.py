@@ -188,6 +188,16 @@ def _check_order(module: fx.GraphModule, predicted: list[str], which: str) -> No
         )
 
 
+def _choose_loss_functions(model: nn.Module) -> None:
+    """A ``transformers`` model picks its loss function on first use and may log a warning as
+    it does, which Dynamo cannot trace inside a whole graph: pick it now, as that first use
+    would (the property's setter keeps it)."""
+    for module in model.modules():
+        attribute = getattr(type(module), "loss_function", None)
+        if isinstance(attribute, property) and attribute.fset is not None and "_loss_function" not in vars(module):
+            module.loss_function = module.loss_function
+
+
 def _inductor_partitioner(partitioner: Partitioner) -> Any:
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
@@ -233,6 +243,7 @@ def compile(
     if not isinstance(model, nn.Module):
         raise CkptPlanError(f"Expected a torch.nn.Module to compile, got {type(model).__name__}.")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    _choose_loss_functions(model)
     partitioner = Partitioner(
         budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__
     )

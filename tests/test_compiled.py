@@ -169,3 +169,18 @@ def test_the_inductor_backend_takes_the_partition() -> None:
         training_loss(module(x)).backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+
+
+def test_a_transformers_model_compiles_whole_and_measures_as_predicted() -> None:
+    """A ``transformers`` model would log its loss-function warning inside the graph; compile
+    picks the loss first, so the model compiles whole."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=100, use_cache=False,
+                                     bos_token_id=0, eos_token_id=0)
+    model, ids = transformers.GPT2LMHeadModel(config), torch.randint(0, 100, (4, 32))
+    compiled = ckptplan.compile(model, (ids,), {"labels": ids}, budget=0.8, backend="aot_eager", outputs_live=False)
+    ckptplan.measure_step(compiled, (ids,), {"labels": ids}, outputs_live=False)
+    measured = ckptplan.measure_step(compiled, (ids,), {"labels": ids}, outputs_live=False).peak_bytes
+    assert abs(measured - compiled.ckptplan_plan.peak_bytes) <= 64
+    assert compiled.ckptplan_plan.peak_bytes <= compiled.ckptplan_plan.budget_bytes
