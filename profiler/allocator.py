@@ -8,6 +8,7 @@ events is what it holds (``prof.events()`` does not list them; the Kineto result
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -43,9 +44,20 @@ def memory_totals(events: list[Any]) -> tuple[list[int], list[int]]:
 
 
 def peak_bytes(run: Callable[[], None]) -> int:
-    """The most bytes the CPU allocator held during ``run()`` beyond what it held before."""
-    with recording() as events:
-        run()
+    """The most bytes the CPU allocator held during ``run()`` beyond what it held before.
+
+    Garbage is collected first and the collector held off during ``run()``: the allocator's
+    count is of every free, and a collection in the middle of the step that frees tensors
+    made before it (a compiled graph's leftovers, say) would lower the count by them."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with recording() as events:
+            run()
+    finally:
+        if enabled:
+            gc.enable()
     _, totals = memory_totals(events())
     return max([0, *totals])
 
