@@ -31,6 +31,7 @@ from torch import fx, nn
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
+from ckptplan.planner.compiled import choose_loss_functions
 from ckptplan.profiler.cost import A100, FLOPS
 from ckptplan.profiler.joint import read_joint
 
@@ -93,12 +94,7 @@ def run_case(case: compare.Case, repeats: int) -> list[dict[str, Any]]:
               + f" | {fields.get('recompute_flops', 0) / 1e9:.2f} GFLOP again | {ratio:.2f}x | gradients {gradients}",
               flush=True)
 
-    # The peers compile the model whole too: a transformers model picks its loss function first
-    # (ckptplan.compile does the same).
-    for module in work.model.modules():
-        attribute = getattr(type(module), "loss_function", None)
-        if isinstance(attribute, property) and attribute.fset is not None:
-            module.loss_function = module.loss_function
+    choose_loss_functions(work.model)  # the peers compile the model whole too
     for knob in KNOBS:
         torch._dynamo.reset()
         found: dict[str, Any] = {}

@@ -51,19 +51,21 @@ class PartitionReport:
     live_at_peak: tuple[int, ...]  # values holding a storage at the peak, besides primals
 
 
-def _ancestors(graph: JointGraph, roots: Iterable[int], stop: set[int]) -> set[int]:
-    """Forward values reached from ``roots`` through forward values, not past ``stop``."""
+def _ancestors(graph: JointGraph, roots: Iterable[int]) -> set[int]:
+    """Forward values reached from ``roots`` through forward values."""
     found: set[int] = set()
     stack = [r for r in roots if graph.values[r].phase == "forward"]
     while stack:
         i = stack.pop()
-        if i in found:
-            continue
-        found.add(i)
-        if i in stop:
-            continue
-        stack.extend(j for j in graph.values[i].inputs if graph.values[j].phase == "forward")
+        if i not in found:
+            found.add(i)
+            stack.extend(j for j in graph.values[i].inputs if graph.values[j].phase == "forward")
     return found
+
+
+def _last_reads(graph: JointGraph, order: list[int]) -> dict[int, int]:
+    """For each value read in ``order``, the position of its last reader."""
+    return {j: position for position, i in enumerate(order) for j in graph.values[i].inputs}
 
 
 def backward_values(graph: JointGraph, saved: frozenset[int]) -> tuple[list[int], set[int]]:
@@ -134,14 +136,14 @@ def simulate_partition(graph: JointGraph, saved: Iterable[int]) -> PartitionRepo
             raise CkptPlanError(f"{values[i].name} is not a forward tensor; only forward tensors are saved.")
     order_b, again = backward_values(graph, saved_set)
     # A saved value the backward never reads is not saved: the cut drops it from the outputs.
-    read = {j for i in order_b for j in values[i].inputs} | set(graph.backward_outputs)
-    saved_set = frozenset(i for i in saved_set if i in read)
+    last_b = _last_reads(graph, order_b)
+    saved_set = frozenset(i for i in saved_set if i in last_b or i in graph.backward_outputs)
     missing = [values[i].name for i in again if not values[i].recomputable]
     if missing:
         raise CkptPlanError(
             f"The backward needs {', '.join(sorted(missing)[:3])}, which it cannot compute again; save it."
         )
-    forward = raise_getitems(graph, sorted(_ancestors(graph, (*graph.forward_outputs, *saved_set), set())))
+    forward = raise_getitems(graph, sorted(_ancestors(graph, (*graph.forward_outputs, *saved_set))))
     static = graph.static_storages
     size = graph.storage_bytes
 
@@ -172,14 +174,6 @@ def simulate_partition(graph: JointGraph, saved: Iterable[int]) -> PartitionRepo
                 live -= size[s]
                 del holders[s]
 
-    def last_uses(order: list[int], kept: set[int]) -> dict[int, int]:
-        """For each value read in ``order``, the position of its last reader (-1 if none)."""
-        last: dict[int, int] = {}
-        for position, i in enumerate(order):
-            for j in values[i].inputs:
-                last[j] = position
-        return {j: (len(order) if j in kept else p) for j, p in last.items()}
-
     best = {False: (0, -1, ()), True: (0, -1, ())}  # per graph: live bytes, at value, values live
 
     def note(i: int, backward: bool) -> None:
@@ -187,19 +181,22 @@ def simulate_partition(graph: JointGraph, saved: Iterable[int]) -> PartitionRepo
         if at > best[backward][0]:
             best[backward] = (at, i, tuple(sorted(holding)))
 
+    def run(order: list[int], last: dict[int, int], kept: set[int], backward: bool) -> None:
+        """Compute ``order``, each value freed after its last reader unless ``kept``."""
+        readers: dict[int, list[int]] = {}
+        for j, position in last.items():
+            if j not in kept:
+                readers.setdefault(position, []).append(j)
+        for position, i in enumerate(order):
+            hold(i)
+            note(i, backward)
+            for j in readers.get(position, ()):
+                release(j)
+            if i not in last and i not in kept:
+                release(i)
+
     # Forward.
-    kept_f = set(graph.forward_outputs) | saved_set
-    last_f = last_uses(forward, kept_f)
-    readers_f: dict[int, list[int]] = {}
-    for j, p in last_f.items():
-        readers_f.setdefault(p, []).append(j)
-    for position, i in enumerate(forward):
-        hold(i)
-        note(i, False)
-        for j in readers_f.get(position, ()):
-            release(j)
-        if i not in last_f and i not in kept_f:
-            release(i)
+    run(forward, _last_reads(graph, forward), set(graph.forward_outputs) | saved_set, False)
 
     # Between: outputs the caller drops, the tangents it hands over.
     if not graph.outputs_live:
@@ -209,27 +206,16 @@ def simulate_partition(graph: JointGraph, saved: Iterable[int]) -> PartitionRepo
     for value in values:
         if value.phase == "tangent":
             hold(value.index)
-    held = list(holding)
 
     # Backward: its inputs and its values freed after their last use; gradients kept.
     kept_b = set(graph.backward_outputs)
     if graph.outputs_live:
         kept_b |= set(graph.forward_outputs)
-    last_b = last_uses(order_b, kept_b)
-    readers_b: dict[int, list[int]] = {}
-    for j, p in last_b.items():
-        readers_b.setdefault(p, []).append(j)
-    for i in held:
+    for i in list(holding):
         if i not in last_b:
             release(i)  # a saved value or tangent the backward never reads
     note(-1, True)
-    for position, i in enumerate(order_b):
-        hold(i)
-        note(i, True)
-        for j in readers_b.get(position, ()):
-            release(j)
-        if i not in last_b and i not in kept_b:
-            release(i)
+    run(order_b, last_b, kept_b, True)
     (forward_peak, _, _), (backward_peak, _, _) = best[False], best[True]
     in_backward = backward_peak > forward_peak
     _, peak_at, live_at_peak = best[in_backward]

@@ -9,8 +9,8 @@ exact model of the two graphs, ``ckptplan.partition``), and cuts the graphs with
 orders it, which the model assumes (checked at every partition).
 
 ``backend="aot_eager"`` runs both graphs eagerly (what the model predicts, each op's kernel
-workspace measured by running it once); ``backend="inductor"`` compiles them with inductor, whose fusion holds fewer
-buffers than the model counts.
+workspace measured by running it once); ``backend="inductor"`` compiles them with inductor,
+whose fusion holds fewer buffers than the model counts.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.joint import JointGraph
 from ckptplan.partition import PartitionReport, simulate_partition
 from ckptplan.profiler.cost import A100, Roofline
-from ckptplan.profiler.joint import dropout_from_masks, read_joint
+from ckptplan.profiler.joint import dropout_from_masks, is_tangent, read_joint
 from ckptplan.solvers.partition import no_recompute, solve_partition
 from ckptplan.units import format_bytes, parse_budget
 
@@ -46,13 +46,16 @@ class CompiledPlan:
     recomputed; ``peak_bytes``: the predicted peak of the partition chosen (what
     ``measure_step`` counts: the step's allocations plus the model's state and inputs).
     ``recompute_seconds`` and ``recompute_flops``: the work the backward repeats, priced on
-    ``priced_on``."""
+    ``priced_on`` (the graph's roofline)."""
 
     graph: JointGraph
     budget_bytes: int
     baseline_peak_bytes: int
     report: PartitionReport
-    priced_on: str | None
+
+    @property
+    def priced_on(self) -> str | None:
+        return self.graph.priced_on
 
     @property
     def peak_bytes(self) -> int:
@@ -107,7 +110,7 @@ class Partitioner:
         baseline = simulate_partition(graph, no_recompute(graph))
         budget_bytes = parse_budget(self.budget, baseline.peak_bytes)
         found = solve_partition(graph, budget_bytes, starts=_min_cut_starts(joint, graph, num_fwd_outputs, kwargs))
-        plan = CompiledPlan(graph, budget_bytes, baseline.peak_bytes, found.report, self.roofline.source)
+        plan = CompiledPlan(graph, budget_bytes, baseline.peak_bytes, found.report)
         self.plans.append(plan)
         if not found.feasible:
             self.error = InfeasibleBudgetError(
@@ -119,9 +122,8 @@ class Partitioner:
         nodes = {n.name: n for n in joint.graph.nodes}
         in_backward = {graph.values[i].name for i in found.report.backward_order}
         primals = [
-            n for n in joint.graph.nodes
-            if n.op == "placeholder" and "tangents" not in str(n.target)
-            and any(user.name in in_backward for user in n.users)
+            n for n in joint.graph.find_nodes(op="placeholder")
+            if not is_tangent(n) and any(user.name in in_backward for user in n.users)
         ]
         saved = primals + [nodes[name] for name in plan.saved]
         static = kwargs.get("static_lifetime_input_indices") or []
@@ -188,10 +190,11 @@ def _check_order(module: fx.GraphModule, predicted: list[str], which: str) -> No
         )
 
 
-def _choose_loss_functions(model: nn.Module) -> None:
+def choose_loss_functions(model: nn.Module) -> None:
     """A ``transformers`` model picks its loss function on first use and may log a warning as
     it does, which Dynamo cannot trace inside a whole graph: pick it now, as that first use
-    would (the property's setter keeps it)."""
+    would (the property's setter keeps it). Whatever else compiles the model whole needs it too
+    (``benchmarks/compile_compare.py``'s peers)."""
     for module in model.modules():
         attribute = getattr(type(module), "loss_function", None)
         if isinstance(attribute, property) and attribute.fset is not None and "_loss_function" not in vars(module):
@@ -243,7 +246,7 @@ def compile(
     if not isinstance(model, nn.Module):
         raise CkptPlanError(f"Expected a torch.nn.Module to compile, got {type(model).__name__}.")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    _choose_loss_functions(model)
+    choose_loss_functions(model)
     partitioner = Partitioner(
         budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__
     )

@@ -42,7 +42,7 @@ def read_joint(
     storage_bytes: list[int] = []
     index: dict[fx.Node, int] = {}
     values: list[JointValue] = []
-    backward: set[fx.Node] = set()
+    backward = backward_nodes(joint)
     output = None
     for node in joint.graph.nodes:
         if node.op == "output":
@@ -59,14 +59,9 @@ def read_joint(
                 storages.append(storage_of[key])
         phase: Phase
         if node.op == "placeholder":
-            phase = "tangent" if "tangents" in str(node.target) else "primal"
-            if phase == "tangent":
-                backward.add(node)
-        elif any(n in backward for n in node.all_input_nodes):
-            phase = "backward"
-            backward.add(node)
+            phase = "tangent" if is_tangent(node) else "primal"
         else:
-            phase = "forward"
+            phase = "backward" if node in backward else "forward"
         flops = _flops(node) if node.op == "call_function" else 0
         moved = sum(_nbytes(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
         moved += sum(_nbytes(t) for t in tensors)
@@ -106,6 +101,20 @@ def read_joint(
     )
 
 
+def is_tangent(node: fx.Node) -> bool:
+    """A placeholder of the joint graph for the gradient of a forward output."""
+    return node.op == "placeholder" and "tangents" in str(node.target)
+
+
+def backward_nodes(joint: fx.GraphModule) -> set[fx.Node]:
+    """The tangents and every node that depends on one: the backward's nodes."""
+    found: set[fx.Node] = set()
+    for node in joint.graph.nodes:
+        if is_tangent(node) or any(n in found for n in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
 def dropout_from_masks(joint: fx.GraphModule) -> int:
     """Let the backward make a dropout's output again from its mask: where the backward reads
     ``native_dropout``'s output, it reads ``input * mask * (1 / (1 - p))`` instead, new nodes
@@ -114,12 +123,7 @@ def dropout_from_masks(joint: fx.GraphModule) -> int:
     the kernel's own (a kept element is ``input * scale``, a dropped one 0), bit for bit.
     Returns how many dropouts were rewritten."""
     graph = joint.graph
-    backward: set[fx.Node] = set()
-    for node in graph.nodes:
-        if (node.op == "placeholder" and "tangents" in str(node.target)) or any(
-            n in backward for n in node.all_input_nodes
-        ):
-            backward.add(node)
+    backward = backward_nodes(joint)
     rewritten = 0
     for node in list(graph.nodes):
         if node.target is not torch.ops.aten.native_dropout.default or node in backward:

@@ -116,7 +116,7 @@ def _seed(t: torch.Tensor, seeds: Layout | str, position: int) -> tuple[torch.Te
     if seeds == "broadcast":
         return torch.ones((), dtype=t.dtype, device=t.device).expand_as(t), None
     strides = seeds[position] if isinstance(seeds, tuple) and position < len(seeds) else None
-    if strides is None or len(strides) != t.dim() or strides == torch.empty_like(t).stride():
+    if strides is None or len(strides) != t.dim() or strides == torch.empty_like(t, device="meta").stride():
         return torch.ones_like(t), None
     return torch.ones((), dtype=t.dtype, device=t.device).expand_as(t), strides
 

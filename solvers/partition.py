@@ -28,11 +28,14 @@ _EPSILON_SECONDS = 1e-12  # a move that recomputes nothing costly still divides 
 
 @dataclass(frozen=True)
 class Partition:
-    """A decision and its report. ``feasible``: its peak is within the budget asked."""
+    """A decision, as its report. ``feasible``: its peak is within the budget asked."""
 
-    saved: frozenset[int]
     report: PartitionReport
     feasible: bool
+
+    @property
+    def saved(self) -> frozenset[int]:
+        return frozenset(self.report.saved)
 
 
 def must_save(graph: JointGraph, saved: frozenset[int]) -> frozenset[int]:
@@ -67,24 +70,23 @@ def solve_partition(
     options = [no_recompute(graph), *(must_save(graph, frozenset(start)) for start in starts)]
     reports = [simulate_partition(graph, option) for option in options]
     report = min(reports, key=lambda r: (max(r.peak_bytes, budget_bytes), r.recompute_seconds, r.peak_bytes))
-    saved = frozenset(report.saved)
     rounds = _ROUNDS_PER_CANDIDATE * max(1, len(graph.saveable))
     while report.peak_bytes > budget_bytes and rounds > 0:
         rounds -= 1
-        move = _best_move(graph, saved, report)
+        move = _best_move(graph, report)
         if move is None:
             break
-        saved, report = move
+        report = move
     if report.peak_bytes <= budget_bytes:
-        saved, report = _save_back(graph, saved, report, budget_bytes)
-    return Partition(saved=frozenset(report.saved), report=report, feasible=report.peak_bytes <= budget_bytes)
+        report = _save_back(graph, report, budget_bytes)
+    return Partition(report=report, feasible=report.peak_bytes <= budget_bytes)
 
 
-def _best_move(
-    graph: JointGraph, saved: frozenset[int], report: PartitionReport
-) -> tuple[frozenset[int], PartitionReport] | None:
-    """The move that lowers the peak most per second of recomputation added, or None."""
+def _best_move(graph: JointGraph, report: PartitionReport) -> PartitionReport | None:
+    """The report of the move that lowers the peak most per second of recomputation added, or
+    None."""
     values = graph.values
+    saved = frozenset(report.saved)
     static = graph.static_storages
     # Saved values live at the peak, and the saved values that keep a value live there by
     # being computed from it later in the forward (the forward computes in joint order, where
@@ -113,7 +115,7 @@ def _best_move(
             added = max(trial.recompute_seconds - report.recompute_seconds, _EPSILON_SECONDS)
             score = (1, gain / added) if gain > 0 else (0, local / added)
             if score > best_score:
-                best, best_score = (option, trial), score
+                best, best_score = trial, score
     return best
 
 
@@ -129,15 +131,12 @@ def _forward_descendants(graph: JointGraph, roots: list[int]) -> set[int]:
     return found
 
 
-def _save_back(
-    graph: JointGraph, saved: frozenset[int], report: PartitionReport, budget_bytes: int
-) -> tuple[frozenset[int], PartitionReport]:
+def _save_back(graph: JointGraph, report: PartitionReport, budget_bytes: int) -> PartitionReport:
     """Save again the recomputed values, costliest first, while the peak stays in budget."""
     for i in sorted(report.recomputed, key=lambda i: (-graph.values[i].cost, i)):
-        if i in saved or i not in report.recomputed or graph.values[i].multi_output:
+        if i not in report.recomputed or graph.values[i].multi_output:  # saved back with another
             continue
-        option = saved | {i}
-        trial = simulate_partition(graph, option)
+        trial = simulate_partition(graph, {*report.saved, i})
         if trial.peak_bytes <= budget_bytes and trial.recompute_seconds < report.recompute_seconds:
-            saved, report = option, trial
-    return saved, report
+            report = trial
+    return report

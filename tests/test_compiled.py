@@ -38,6 +38,18 @@ def _measured(module: nn.Module, x: torch.Tensor) -> int:
     return ckptplan.measure_step(module, (x,), outputs_live=False).peak_bytes
 
 
+def _assert_trains_as_eager(compiled: nn.Module, model: nn.Module, reference: nn.Module, x: torch.Tensor) -> None:
+    """One seeded step of ``compiled`` (of ``model``) and of ``reference`` (an eager copy): the
+    same gradients. Inductor's decompositions (of layer norm and GELU) round differently from
+    eager's kernels; a different dropout mask would differ by whole activations (about 10 here)."""
+    for module in (compiled, reference):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        training_loss(module(x)).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+
+
 @pytest.mark.parametrize("budget", [1.0, 0.8, 0.65])
 def test_the_compiled_step_peaks_as_the_partition_model_says(budget: float) -> None:
     """Under aot_eager the prediction is the allocator's count to the scalar loss's bytes, and
@@ -86,14 +98,7 @@ def test_gradients_equal_eager_with_dropout() -> None:
     assert compiled.ckptplan_plan.recomputed
     random = [v for v in compiled.ckptplan_plan.graph.values if not v.recomputable and v.phase == "forward"]
     assert random and not {v.name for v in random} & set(compiled.ckptplan_plan.recomputed)
-    for module in (compiled, reference):
-        module.zero_grad(set_to_none=True)
-        torch.manual_seed(7)
-        training_loss(module(x)).backward()
-    # Inductor's decompositions (of layer norm and GELU) round differently from eager's kernels;
-    # a different dropout mask would differ by whole activations (about 10 here).
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+    _assert_trains_as_eager(compiled, model, reference, x)
 
 
 def test_a_budget_below_the_least_peak_says_so() -> None:
@@ -163,12 +168,7 @@ def test_the_inductor_backend_takes_the_partition() -> None:
     reference = copy.deepcopy(model)
     compiled = ckptplan.compile(model, (x,), budget=0.8, backend="inductor")
     assert compiled.ckptplan_plan.recomputed
-    for module in (compiled, reference):
-        module.zero_grad(set_to_none=True)
-        torch.manual_seed(7)
-        training_loss(module(x)).backward()
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+    _assert_trains_as_eager(compiled, model, reference, x)
 
 
 def test_a_transformers_model_compiles_whole_and_measures_as_predicted() -> None:
