@@ -126,9 +126,13 @@ def raise_getitems(graph: JointGraph, order: list[int]) -> list[int]:
     return raised
 
 
-def simulate_partition(graph: JointGraph, saved: Iterable[int]) -> PartitionReport:
+def simulate_partition(
+    graph: JointGraph, saved: Iterable[int], notes: list[tuple[int, bool, int]] | None = None
+) -> PartitionReport:
     """Simulate the step that saves ``saved`` (forward value indices; those the backward then
-    never reads are dropped, as the cut drops them)."""
+    never reads are dropped, as the cut drops them). ``notes``, if given, receives every point
+    the live bytes are read at, in order: ``(value, in_backward, live bytes)``, the value being
+    the one computed there (-1: the backward's start), the bytes without the primals."""
     saved_set = frozenset(saved)
     values = graph.values
     for i in saved_set:
@@ -178,6 +182,8 @@ def simulate_partition(graph: JointGraph, saved: Iterable[int]) -> PartitionRepo
 
     def note(i: int, backward: bool) -> None:
         at = live + (values[i].workspace_bytes if i >= 0 else 0)
+        if notes is not None:
+            notes.append((i, backward, at))
         if at > best[backward][0]:
             best[backward] = (at, i, tuple(sorted(holding)))
 
@@ -212,7 +218,7 @@ def simulate_partition(graph: JointGraph, saved: Iterable[int]) -> PartitionRepo
     if graph.outputs_live:
         kept_b |= set(graph.forward_outputs)
     for i in list(holding):
-        if i not in last_b:
+        if i not in last_b and i not in kept_b:
             release(i)  # a saved value or tangent the backward never reads
     note(-1, True)
     run(order_b, last_b, kept_b, True)

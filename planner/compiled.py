@@ -3,8 +3,9 @@
 AOTAutograd traces one joint forward-backward graph and hands it to a partitioner, which
 decides which forward values the forward saves for the backward; the backward computes every
 other one it needs again. Here that partitioner reads the joint graph (``profiler.joint``),
-solves for the saved set under an absolute byte budget (``solvers.partition``, checked by the
-exact model of the two graphs, ``ckptplan.partition``), and cuts the graphs with PyTorch's own
+solves for the saved set under an absolute byte budget (``solvers.orchestrate.solve_partition_step``:
+a greedy search, then an exact CP-SAT model, each partition checked by the model of the two
+graphs, ``ckptplan.partition``), and cuts the graphs with PyTorch's own
 ``_extract_fwd_bwd_modules``, the backward ordered as ``reordering_to_mimic_autograd_engine``
 orders it, which the model assumes (checked at every partition).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,12 +27,13 @@ from typing import Any, Literal
 import torch
 from torch import fx, nn
 
-from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
+from ckptplan.errors import CkptPlanError, InfeasibleBudgetError, UnknownSolverError
 from ckptplan.joint import JointGraph
 from ckptplan.partition import PartitionReport, simulate_partition
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.joint import dropout_from_masks, is_tangent, read_joint
-from ckptplan.solvers.partition import no_recompute, solve_partition
+from ckptplan.solvers.orchestrate import PARTITION_SOLVERS, solve_partition_step
+from ckptplan.solvers.partition import no_recompute
 from ckptplan.units import format_bytes, parse_budget
 
 log = logging.getLogger(__name__)
@@ -46,12 +49,17 @@ class CompiledPlan:
     recomputed; ``peak_bytes``: the predicted peak of the partition chosen (what
     ``measure_step`` counts: the step's allocations plus the model's state and inputs).
     ``recompute_seconds`` and ``recompute_flops``: the work the backward repeats, priced on
-    ``priced_on`` (the graph's roofline)."""
+    ``priced_on`` (the graph's roofline). ``solver``: the search that found the partition
+    (``greedy`` or ``exact``); ``status``: what is proved of it (``solvers.partition.Partition``);
+    ``seconds``: the time the search took."""
 
     graph: JointGraph
     budget_bytes: int
     baseline_peak_bytes: int
     report: PartitionReport
+    solver: str = "greedy"
+    status: str = "heuristic"
+    seconds: float = 0.0
 
     @property
     def priced_on(self) -> str | None:
@@ -85,8 +93,12 @@ class Partitioner:
     ``error``, raised by ``compile`` (an exception inside ``torch.compile`` reaches the caller
     wrapped in Dynamo's own)."""
 
-    def __init__(self, budget: str | float, *, roofline: Roofline, outputs_live: bool, name: str) -> None:
+    def __init__(
+        self, budget: str | float, *, roofline: Roofline, outputs_live: bool, name: str, solver: str = "auto",
+        time_limit: float | None = None,
+    ) -> None:
         self.budget, self.roofline, self.outputs_live, self.name = budget, roofline, outputs_live, name
+        self.solver, self.time_limit = solver, time_limit
         self.plans: list[CompiledPlan] = []
         self.error: CkptPlanError | None = None
 
@@ -109,13 +121,19 @@ class Partitioner:
         )
         baseline = simulate_partition(graph, no_recompute(graph))
         budget_bytes = parse_budget(self.budget, baseline.peak_bytes)
-        found = solve_partition(graph, budget_bytes, starts=_min_cut_starts(joint, graph, num_fwd_outputs, kwargs))
-        plan = CompiledPlan(graph, budget_bytes, baseline.peak_bytes, found.report)
+        started = time.perf_counter()
+        found = solve_partition_step(
+            graph, budget_bytes, solver=self.solver, time_limit=self.time_limit,
+            starts=_min_cut_starts(joint, graph, num_fwd_outputs, kwargs),
+        )
+        plan = CompiledPlan(graph, budget_bytes, baseline.peak_bytes, found.report, solver=found.origin,
+                            status=found.status, seconds=time.perf_counter() - started)
         self.plans.append(plan)
         if not found.feasible:
+            proved = " (no partition fits it: proved by the exact model)" if found.status == "infeasible" else ""
             self.error = InfeasibleBudgetError(
                 f"Budget {format_bytes(budget_bytes)} ({budget_bytes:,} bytes) is below the least peak the compiled "
-                f"step reached, {format_bytes(found.report.peak_bytes)} ({found.report.peak_bytes:,} bytes); "
+                f"step reached, {format_bytes(found.report.peak_bytes)} ({found.report.peak_bytes:,} bytes){proved}; "
                 "raise the budget.",
                 budget_bytes=budget_bytes, min_peak_bytes=found.report.peak_bytes, least_plan=plan,
             )
@@ -227,7 +245,9 @@ def compile(
     kwargs: dict[str, Any] | None = None,
     *,
     budget: str | float,
+    solver: str = "auto",
     backend: Backend = "inductor",
+    time_limit: float | None = None,
     outputs_live: bool = True,
     roofline: Roofline | None = None,
 ) -> nn.Module:
@@ -238,8 +258,12 @@ def compile(
     inputs). The model is compiled whole (``fullgraph=True``) and run once on ``args`` and
     ``kwargs`` to partition it; the returned module's ``ckptplan_plan`` is the
     ``CompiledPlan`` of that partition (later recompilations, for other shapes, solve again).
-    ``outputs_live``: the training loop keeps the outputs until backward ends (``profile``'s
-    default). Raises ``InfeasibleBudgetError`` when no partition found fits the budget.
+    ``solver``: ``"auto"`` (a greedy search, then the exact CP-SAT model, which proves the least
+    recomputation where it can, in ``time_limit`` seconds, 30 by default), ``"exact"`` (the
+    same, 120 s by default) or ``"greedy"`` (the greedy search alone); see
+    ``solvers.orchestrate.solve_partition_step``. ``outputs_live``: the training loop keeps the
+    outputs until backward ends (``profile``'s default). Raises ``InfeasibleBudgetError`` when no
+    partition found fits the budget.
     """
     if backend not in ("inductor", "aot_eager"):
         raise CkptPlanError(f"Unknown backend {backend!r}; use 'inductor' or 'aot_eager'.")
@@ -247,8 +271,13 @@ def compile(
         raise CkptPlanError(f"Expected a torch.nn.Module to compile, got {type(model).__name__}.")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     choose_loss_functions(model)
+    if solver not in PARTITION_SOLVERS:
+        raise UnknownSolverError(
+            f"Unknown solver {solver!r} for a compiled step; choose one of: {', '.join(PARTITION_SOLVERS)}."
+        )
     partitioner = Partitioner(
-        budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__
+        budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__, solver=solver,
+        time_limit=time_limit,
     )
     if backend == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd

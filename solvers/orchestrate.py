@@ -1,20 +1,25 @@
 """The orchestration layer: one ``solve`` owns the clock, cancellation, the simulator's check and
 the ``Plan``'s assembly; the solvers under it are kernels run under its ``SolveContext``, each
-returning a ``Solution`` (regions, remat, the simulator's report and where they came from)."""
+returning a ``Solution`` (regions, remat, the simulator's report and where they came from).
+``solve_partition_step`` does the same for a compiled step's joint graph."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from ckptplan.build import make_plan
-from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
+from ckptplan.errors import CkptPlanError, InfeasibleBudgetError, UnknownSolverError
 from ckptplan.graph import ComputeGraph
+from ckptplan.joint import JointGraph
+from ckptplan.partition import simulate_partition
 from ckptplan.plan import BudgetInfo, Plan, SolverInfo
 from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers.context import Progress, SolveContext
 from ckptplan.solvers.edges import at_unit_edges
 from ckptplan.solvers.least import least_plan
+from ckptplan.solvers.partition import Partition, solve_partition
 from ckptplan.solvers.registry import default_seconds, get_solver
 from ckptplan.solvers.remat_plans import with_remat
 from ckptplan.solvers.solution import Solution, run_kernel
@@ -118,3 +123,55 @@ def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> 
         f"{describe_bytes(peak)} ({least.solver}). Raise the budget, or shard the model (--shard-degree).",
         budget_bytes=budget_bytes, min_peak_bytes=peak, least_plan=least,
     )
+
+
+# The seconds each compiled-step solver takes when the caller gives no limit: ``auto`` runs the
+# greedy search, then the exact model for the rest of its time; ``exact`` the same for longer;
+# ``greedy`` the greedy search alone (docs/tuning.md, "Compiled steps").
+PARTITION_SOLVERS = {"auto": 30.0, "exact": 120.0, "greedy": 0.0}
+
+
+def solve_partition_step(
+    graph: JointGraph,
+    budget_bytes: int,
+    *,
+    solver: str = "auto",
+    time_limit: float | None = None,
+    starts: Iterable[Iterable[int]] = (),
+    progress: Callable[[Progress], None] | None = None,
+) -> Partition:
+    """The saved set of a compiled step within ``budget_bytes``: the greedy search's
+    (``solvers.partition``, from ``starts`` too), then, unless ``solver`` is ``"greedy"``, the
+    exact CP-SAT model's (``solvers.partition_exact``) for the rest of ``time_limit`` seconds
+    (None: ``PARTITION_SOLVERS[solver]``), which returns a partition only when it recomputes
+    less, and proves it least or proves that nothing fits. When nothing within the budget is
+    found, the least peak found, ``feasible`` False. Every partition returned is the simulator's
+    report of its saved set."""
+    if solver not in PARTITION_SOLVERS:
+        raise UnknownSolverError(
+            f"Unknown solver {solver!r} for a compiled step; choose one of: {', '.join(PARTITION_SOLVERS)}."
+        )
+    ctx = SolveContext.limited(time_limit, default=PARTITION_SOLVERS[solver], on_progress=progress)
+    ctx.report("greedy")
+    found = solve_partition(graph, budget_bytes, starts)
+    if found.feasible:
+        ctx.report(cost_seconds=found.report.recompute_seconds, peak_bytes=found.report.peak_bytes)
+    if solver == "greedy" or ctx.over():
+        return found
+    from ckptplan.solvers.partition_exact import solve_partition_exact  # imports ortools
+
+    ctx.report("exact")
+    exact = solve_partition_exact(graph, budget_bytes, ctx, incumbent=found.report)
+    if exact.status == "infeasible":
+        return replace(found, status="infeasible")
+    if exact.report is None:
+        return found
+    report = simulate_partition(graph, exact.report.saved)
+    if report != exact.report or report.peak_bytes > budget_bytes:
+        raise CkptPlanError(
+            f"The exact partition of {graph.name} is not what the simulator says it is (claimed peak "
+            f"{exact.report.peak_bytes} bytes, simulated {report.peak_bytes}, budget {budget_bytes}); "
+            "this is a bug in ckptplan, please report it."
+        )
+    origin = "greedy" if found.feasible and report.saved == found.report.saved else "exact"
+    return Partition(report=report, feasible=True, origin=origin, status=exact.status)

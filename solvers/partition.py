@@ -28,10 +28,16 @@ _EPSILON_SECONDS = 1e-12  # a move that recomputes nothing costly still divides 
 
 @dataclass(frozen=True)
 class Partition:
-    """A decision, as its report. ``feasible``: its peak is within the budget asked."""
+    """A decision, as its report. ``feasible``: its peak is within the budget asked. ``origin``:
+    the search that found it (``"greedy"``, this module's; ``"exact"``, ``partition_exact``'s).
+    ``status``: ``"optimal"``, no saved set within the budget recomputes fewer seconds (proved);
+    ``"infeasible"``, none is within the budget (proved; the report is the least peak found);
+    ``"feasible"``, within the budget, not proved least; ``"heuristic"``, no proof was sought."""
 
     report: PartitionReport
     feasible: bool
+    origin: str = "greedy"
+    status: str = "heuristic"
 
     @property
     def saved(self) -> frozenset[int]:

@@ -1,0 +1,170 @@
+"""The exact partition model (``solvers.partition_exact``) against every saved set, and as
+``ckptplan.compile`` runs it.
+
+On small joint graphs made at random (views sharing storage, random draws with two outputs,
+kernel workspaces, outputs kept or dropped) every subset of the forward values is simulated:
+the exact model's answer must be the least recomputation of any subset within the budget,
+proved, or "infeasible" exactly when no subset fits."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import ckptplan
+from ckptplan.errors import CkptPlanError, UnknownSolverError
+from ckptplan.joint import JointGraph, JointValue
+from ckptplan.partition import PartitionReport, simulate_partition
+from ckptplan.profiler.loss import training_loss
+from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.orchestrate import solve_partition_step
+from ckptplan.solvers.partition import no_recompute, solve_partition
+from ckptplan.solvers.partition_exact import solve_partition_exact
+
+
+def _random_joint(seed: int) -> JointGraph:
+    """A forward of 3 to 10 ops over two primals, then a backward that reads some forward values
+    (an op's output or its inputs) on its way from the tangent to the gradient."""
+    rng = random.Random(seed)
+    values: list[JointValue] = []
+    sizes: list[int] = []
+
+    def new_storage(size: int) -> int:
+        sizes.append(size)
+        return len(sizes) - 1
+
+    def add(name: str, phase: str, inputs=(), storages=None, **fields) -> int:
+        if storages is None:
+            storages = (new_storage(rng.choice([4, 8, 12, 16, 24, 32])),)
+        values.append(JointValue(len(values), name, name.rstrip("0123456789."), phase, inputs=tuple(sorted(set(inputs))),
+                                 storages=tuple(storages), **fields))
+        return len(values) - 1
+
+    primals = [add("x", "primal"), add("w", "primal")]
+    forward: list[int] = []
+    for k in range(rng.randint(3, 10)):
+        inputs = rng.sample(primals + forward, min(len(primals + forward), rng.choice([1, 2])))
+        if forward and not set(inputs) & set(forward):
+            inputs.append(forward[-1])
+        kind = rng.random()
+        if kind < 0.12 and forward:  # a view of a forward value: its storage
+            source = max(i for i in inputs if i in forward)
+            forward.append(add(f"view{k}", "forward", [source], storages=values[source].storages))
+        elif kind < 0.22:  # a random draw: a tuple of two parts, neither drawn again
+            draw = add(f"draw{k}", "forward", inputs, storages=(), recomputable=False, multi_output=True, cost=1.0)
+            for part, size in enumerate((rng.choice([8, 16]), rng.choice([2, 4]))):
+                forward.append(add(f"part{k}.{part}", "forward", [draw], storages=(new_storage(size),),
+                                   recomputable=False))
+        else:
+            forward.append(add(f"op{k}", "forward", inputs, cost=rng.choice([0.0, 0.5, 1.0, 2.0, 3.0]) * rng.random(),
+                               workspace_bytes=rng.choice([0, 0, 0, 4, 8])))
+    grad = add("tangent", "tangent")
+    for k, j in enumerate(reversed(forward)):
+        if rng.random() < 0.55:
+            reads = [j] if rng.random() < 0.5 else list(values[j].inputs)
+            reads = [r for r in reads if values[r].phase == "forward" and not values[r].multi_output]
+            grad = add(f"grad{k}", "backward", [grad, *reads])
+    first = [] if values[forward[0]].multi_output else [forward[0]]
+    weight_grad = add("grad_w", "backward", [grad, *first])
+    return JointGraph(f"random{seed}", tuple(values), tuple(sizes), forward_outputs=(forward[-1],),
+                      backward_outputs=(weight_grad,), outputs_live=rng.random() < 0.5)
+
+
+def _every_partition(graph: JointGraph) -> list[PartitionReport]:
+    forward = [v.index for v in graph.values if v.phase == "forward" and not v.multi_output]
+    found: dict[tuple[int, ...], PartitionReport] = {}
+    for bits in range(1 << len(forward)):
+        try:
+            report = simulate_partition(graph, [j for k, j in enumerate(forward) if bits >> k & 1])
+        except CkptPlanError:  # it would recompute a random draw
+            continue
+        found[report.saved] = report
+    return list(found.values())
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_exact_model_is_exact_on_every_budget(seed: int) -> None:
+    graph = _random_joint(seed)
+    every = _every_partition(graph)
+    peaks = sorted({r.peak_bytes for r in every})
+    for budget in (peaks[0] - 1, *peaks):
+        least = min((r.recompute_seconds for r in every if r.peak_bytes <= budget), default=None)
+        found = solve_partition_exact(graph, budget, SolveContext.limited(30))
+        if least is None:
+            assert found.status == "infeasible" and found.report is None
+            continue
+        assert found.status == "optimal"
+        assert found.report == simulate_partition(graph, found.report.saved)
+        assert found.report.peak_bytes <= budget
+        # The objective is in integer units of a millionth of the costliest value's seconds.
+        assert found.report.recompute_seconds == pytest.approx(least, abs=1e-5)
+
+
+def _mlp(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[
+        nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Dropout(dropout), nn.Linear(128, 32))
+        for _ in range(3)
+    ])
+
+
+@pytest.fixture(scope="module")
+def joint() -> JointGraph:
+    torch._dynamo.reset()
+    compiled = ckptplan.compile(_mlp(0.1), (torch.randn(256, 32),), budget=1.0, backend="aot_eager", solver="greedy",
+                                outputs_live=False)
+    torch._dynamo.reset()
+    return compiled.ckptplan_plan.graph
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.6])
+def test_the_exact_model_recomputes_no_more_than_the_greedy_search(joint: JointGraph, fraction: float) -> None:
+    budget = int(fraction * simulate_partition(joint, no_recompute(joint)).peak_bytes)
+    greedy = solve_partition(joint, budget)
+    found = solve_partition_step(joint, budget, solver="exact", time_limit=20)
+    assert greedy.feasible and found.feasible
+    assert found.report == simulate_partition(joint, found.report.saved)
+    assert found.report.peak_bytes <= budget
+    assert found.report.recompute_seconds <= greedy.report.recompute_seconds
+    assert found.status in ("optimal", "feasible")
+
+
+def test_greedy_alone_seeks_no_proof(joint: JointGraph) -> None:
+    budget = int(0.7 * simulate_partition(joint, no_recompute(joint)).peak_bytes)
+    found = solve_partition_step(joint, budget, solver="greedy")
+    assert (found.origin, found.status) == ("greedy", "heuristic")
+    assert found.report == solve_partition(joint, budget).report
+
+
+def test_a_proved_infeasible_budget_says_so(joint: JointGraph) -> None:
+    found = solve_partition_step(joint, joint.static_bytes + 1, solver="auto", time_limit=20)
+    assert not found.feasible and found.status == "infeasible"
+
+
+def test_compile_with_the_exact_solver_trains_as_eager_and_measures_as_predicted() -> None:
+    model, x = _mlp(0.2), torch.randn(256, 32)
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = ckptplan.compile(model, (x,), budget=0.7, backend="aot_eager", solver="exact", time_limit=10,
+                                outputs_live=False)
+    plan = compiled.ckptplan_plan
+    assert plan.recomputed and plan.peak_bytes <= plan.budget_bytes
+    assert plan.status in ("optimal", "feasible")
+    ckptplan.measure_step(compiled, (x,), outputs_live=False)
+    assert 0 <= ckptplan.measure_step(compiled, (x,), outputs_live=False).peak_bytes - plan.peak_bytes <= 64
+    for module in (compiled, reference):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        training_loss(module(x)).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+    torch._dynamo.reset()
+
+
+def test_an_unknown_solver_is_refused_before_compiling() -> None:
+    with pytest.raises(UnknownSolverError, match="greedy"):
+        ckptplan.compile(_mlp(), (torch.randn(4, 32),), budget=0.5, backend="aot_eager", solver="ilp")
