@@ -74,7 +74,7 @@ def _peak(module: nn.Module, work: compare.Workload) -> int:
     return ckptplan.measure_step(module, work.args, work.kwargs, outputs_live=False).peak_bytes
 
 
-def run_case(case: compare.Case, repeats: int) -> list[dict[str, Any]]:
+def run_case(case: compare.Case, repeats: int, solver: str = "auto", time_limit: float | None = None) -> list[dict[str, Any]]:
     work = case.build()
     rows: list[dict[str, Any]] = []
     reference: dict[str, Any] = {}  # the gradients of the compiled step that recomputes nothing
@@ -110,7 +110,7 @@ def run_case(case: compare.Case, repeats: int) -> list[dict[str, Any]]:
     torch._dynamo.reset()
     try:
         ckptplan.compile(work.model, work.args, work.kwargs, budget=1, backend="aot_eager", outputs_live=False,
-                         roofline=FLOPS)
+                         roofline=FLOPS, solver=solver, time_limit=time_limit)
     except InfeasibleBudgetError as error:
         budgets.append(("ckptplan at its least", error.min_peak_bytes))
     except Exception as exc:  # noqa: BLE001 (a model ckptplan cannot compile is a result)
@@ -120,7 +120,7 @@ def run_case(case: compare.Case, repeats: int) -> list[dict[str, Any]]:
         started = time.perf_counter()
         try:
             module = ckptplan.compile(work.model, work.args, work.kwargs, budget=budget, backend="aot_eager",
-                                      outputs_live=False, roofline=FLOPS)
+                                      outputs_live=False, roofline=FLOPS, solver=solver, time_limit=time_limit)
         except InfeasibleBudgetError as error:
             print(f"{case.name} | {method} | infeasible: least {ckptplan.format_bytes(error.min_peak_bytes)}")
             continue
@@ -130,7 +130,7 @@ def run_case(case: compare.Case, repeats: int) -> list[dict[str, Any]]:
         plan = module.ckptplan_plan
         row(method, module, budget_bytes=budget, predicted_peak_bytes=plan.peak_bytes,
             recompute_flops=plan.recompute_flops, partition_seconds=time.perf_counter() - started,
-            joint_nodes=len(plan.graph.values))
+            joint_nodes=len(plan.graph.values), solver=plan.solver, status=plan.status)
     torch._dynamo.reset()
     return rows
 
@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated compare.py models")
     parser.add_argument("--repeats", type=int, default=3, help="step-time pairs per row")
+    parser.add_argument("--solver", default="auto", help="ckptplan.compile's solver: auto, exact or greedy")
+    parser.add_argument("--time-limit", type=float, default=None, help="its seconds per partition (default: its own)")
     options = parser.parse_args(argv)
     names = [n for n in options.models.split(",") if n]
     unknown = [n for n in names if n not in compare.CASES]
@@ -161,14 +163,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for name in names:
-        rows += run_case(compare.CASES[name], options.repeats)
+        rows += run_case(compare.CASES[name], options.repeats, options.solver, options.time_limit)
     lines = _table(rows)
     print("\n".join(lines))
     results_file.write(
         __file__, "ckptplan's partition of the compiled step against the memory-budget knob (CPU)", lines,
         about="Peaks as the CPU allocator counts them over one step (the loop drops the outputs), with the model's "
               "state and inputs; step time over the eager model's; GFLOP again: what the backward recomputes. "
-              "ckptplan rows: `ckptplan.compile(backend=\"aot_eager\")` at a budget of the knob row's measured peak.",
+              "ckptplan rows: `ckptplan.compile(backend=\"aot_eager\")` at a budget of the knob row's measured peak, "
+              f"solver {options.solver}"
+              + (f", {options.time_limit:g} s per partition." if options.time_limit is not None else ", its default time."),
         rows=rows,
     )
     return 0

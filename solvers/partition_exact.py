@@ -45,12 +45,10 @@ from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import configure, solve_interruptibly
 from ckptplan.solvers.partition import no_recompute
 
-# Rows added per round: the points of the partition just found that are furthest over budget
-# (docs/tuning.md, "partition").
-ROWS_PER_ROUND = 12
+# The measurements behind these are in docs/tuning.md, "partition_exact".
+ROWS_PER_ROUND = 12  # memory rows added per broken solution: its fullest points
 COST_UNITS = 10**6  # the objective's integer units over the costliest value's seconds
-WORKERS = 2  # one per core of the machine the tests run on; ``configure`` adds its bound workers
-DETERMINISTIC_SECONDS_PER_SECOND = 0.5  # CP-SAT's deterministic clock runs about this fast on 2 cores
+WORKERS = 2  # CP-SAT workers: better plans in the time than one, not reproducible under a limit
 
 ExactStatus = Literal["optimal", "feasible", "infeasible", "unknown"]
 
@@ -475,8 +473,7 @@ def solve_partition_exact(
             state.model.ClearHints()
             state.hint(frozenset(watch.best.saved))
         solver = cp_model.CpSolver()
-        configure(solver, wall_seconds=ctx.left(), deterministic_seconds=DETERMINISTIC_SECONDS_PER_SECOND * ctx.limit,
-                  workers=WORKERS, seed=0)
+        configure(solver, wall_seconds=ctx.left(), deterministic_seconds=ctx.limit, workers=WORKERS, seed=0)
         watch.over = []
         code = solve_interruptibly(solver, state.model, ctx, watch)
         if watch.over:
