@@ -129,6 +129,7 @@ def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> 
 # greedy search, then the exact model for the rest of its time; ``exact`` the same for longer;
 # ``greedy`` the greedy search alone (docs/tuning.md, "Compiled steps").
 PARTITION_SOLVERS = {"auto": 30.0, "exact": 120.0, "greedy": 0.0}
+LEAST_SHARE = 0.5  # of the time left, when the greedy search fits nothing: the exact model at the budget; the rest finds the least peak
 
 
 def solve_partition_step(
@@ -145,7 +146,8 @@ def solve_partition_step(
     exact CP-SAT model's (``solvers.partition_exact``) for the rest of ``time_limit`` seconds
     (None: ``PARTITION_SOLVERS[solver]``), which returns a partition only when it recomputes
     less, and proves it least or proves that nothing fits. When nothing within the budget is
-    found, the least peak found, ``feasible`` False. Every partition returned is the simulator's
+    found, the least peak found (the exact model's bisection, ``partition_exact.least_partition``,
+    lowers the greedy search's), ``feasible`` False. Every partition returned is the simulator's
     report of its saved set."""
     if solver not in PARTITION_SOLVERS:
         raise UnknownSolverError(
@@ -158,14 +160,18 @@ def solve_partition_step(
         ctx.report(cost_seconds=found.report.recompute_seconds, peak_bytes=found.report.peak_bytes)
     if solver == "greedy" or ctx.over():
         return found
-    from ckptplan.solvers.partition_exact import solve_partition_exact  # imports ortools
+    from ckptplan.solvers.partition_exact import least_partition, solve_partition_exact  # imports ortools
 
     ctx.report("exact")
-    exact = solve_partition_exact(graph, budget_bytes, ctx, incumbent=found.report)
-    if exact.status == "infeasible":
-        return replace(found, status="infeasible")
+    phase = ctx if found.feasible else ctx.within(ctx.left() * LEAST_SHARE)
+    exact = solve_partition_exact(graph, budget_bytes, phase, incumbent=found.report)
     if exact.report is None:
-        return found
+        proved = exact.status == "infeasible"
+        ctx.report("least peak")
+        least, _ = least_partition(graph, ctx, found.report, budget_bytes if proved else graph.static_bytes)
+        if least.peak_bytes < found.report.peak_bytes:
+            found = Partition(report=simulate_partition(graph, least.saved), feasible=False, origin="exact")
+        return replace(found, status="infeasible") if proved else found
     report = simulate_partition(graph, exact.report.saved)
     if report != exact.report or report.peak_bytes > budget_bytes:
         raise CkptPlanError(

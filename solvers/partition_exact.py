@@ -48,6 +48,8 @@ from ckptplan.solvers.partition import no_recompute
 # The measurements behind these are in docs/tuning.md, "partition_exact".
 ROWS_PER_ROUND = 12  # memory rows added per broken solution: its fullest points
 COST_UNITS = 10**6  # the objective's integer units over the costliest value's seconds
+LEAST_PROBES = 10  # budgets the least-peak bisection tries at most ...
+LEAST_RESOLUTION = 0.005  # ... stopping when the least found is within this share of a proved bound
 WORKERS = 2  # CP-SAT workers: better plans in the time than one, not reproducible under a limit
 
 ExactStatus = Literal["optimal", "feasible", "infeasible", "unknown"]
@@ -124,7 +126,7 @@ class _Model:
 
     # -- what each value can be ------------------------------------------------------------
 
-    def build(self) -> None:
+    def build(self, objective: bool = True) -> None:
         graph, at, values, m = self.graph, self.at, self.graph.values, self.model
         forward_ids = [v.index for v in values if v.phase == "forward"]
         wanted = set(graph.backward_outputs)
@@ -152,7 +154,8 @@ class _Model:
         self._forward(forward_ids)
         self._placements()
         self._ends()
-        self._objective()
+        if objective:
+            self._objective()
 
     def _forward(self, forward_ids: list[int]) -> None:
         """``f_j``: the forward computes the ancestors of its outputs, and of what it saves."""
@@ -445,10 +448,12 @@ class _Model:
 
 def solve_partition_exact(
     graph: JointGraph, budget_bytes: int, ctx: SolveContext, incumbent: PartitionReport | None = None,
+    *, fit_only: bool = False,
 ) -> ExactPartition:
     """The saved set of least recomputation seconds within ``budget_bytes``, as far as ``ctx``
     lets the search go; ``incumbent``, a partition found otherwise, seeds the rows and, within
-    budget, the hint, and is returned if nothing better is found.
+    budget, the hint, and is returned if nothing better is found. ``fit_only``: any saved set
+    within the budget will do (no objective; the first found ends the search).
 
     Each round solves the model with its rows so far and simulates every solution CP-SAT finds
     as it finds it: the first one over the budget ends the round, its points furthest over
@@ -457,8 +462,8 @@ def solve_partition_exact(
     CP-SAT proved it, else cut off by ``ctx``."""
     room = budget_bytes - graph.static_bytes
     state = _Model(graph, budget_bytes, layout(graph))
-    state.build()
-    watch = _Watch(state, room, ctx)
+    state.build(objective=not fit_only)
+    watch = _Watch(state, room, ctx, fit_only)
     if incumbent is not None and incumbent.peak_bytes <= budget_bytes:
         watch.best = incumbent
     for saved in ([incumbent.saved] if incumbent is not None else []) + [no_recompute(graph)]:
@@ -498,11 +503,12 @@ def solve_partition_exact(
 
 class _Watch(cp_model.CpSolverSolutionCallback):
     """Simulates each solution CP-SAT finds: keeps the best within the budget (``best``), stops
-    the search at the first over it, its points over the budget in ``over``."""
+    the search at the first over it, its points over the budget in ``over`` (and, ``fit_only``,
+    at the first within it)."""
 
-    def __init__(self, state: _Model, room: int, ctx: SolveContext) -> None:
+    def __init__(self, state: _Model, room: int, ctx: SolveContext, fit_only: bool = False) -> None:
         super().__init__()
-        self.state, self.room, self.ctx = state, room, ctx
+        self.state, self.room, self.ctx, self.fit_only = state, room, ctx, fit_only
         self.best: PartitionReport | None = None
         self.over: list[tuple[tuple, int]] = []
 
@@ -517,8 +523,34 @@ class _Watch(cp_model.CpSolverSolutionCallback):
         if best is None or (report.recompute_seconds, report.peak_bytes) < (best.recompute_seconds, best.peak_bytes):
             self.best = report
             self.ctx.report(cost_seconds=report.recompute_seconds, peak_bytes=report.peak_bytes)
+        if self.fit_only:
+            self.StopSearch()
 
 
 def _fullest(points: list[tuple[tuple, int]]) -> list[tuple[tuple, int]]:
     """The ``ROWS_PER_ROUND`` points of most live bytes."""
     return sorted(points, key=lambda p: -p[1])[:ROWS_PER_ROUND]
+
+
+def least_partition(
+    graph: JointGraph, ctx: SolveContext, least: PartitionReport, infeasible_bytes: int,
+) -> tuple[PartitionReport, int]:
+    """A partition of lower peak than ``least`` where the exact model finds one: a bisection on
+    the budget between ``infeasible_bytes``, a budget proved to fit nothing, and the least peak
+    found so far, each probe the exact model's search for any saved set within it, sharing
+    ``ctx``'s time. Stops when the two are within ``LEAST_RESOLUTION`` of each other, when a
+    probe proves nothing, or when the time is up. Returns the least partition found and the
+    greatest budget proved to fit nothing."""
+    probe_ctx = ctx.unscored()
+    for probes_left in range(LEAST_PROBES, 0, -1):
+        if ctx.over() or least.peak_bytes - infeasible_bytes <= LEAST_RESOLUTION * least.peak_bytes:
+            break
+        budget = (infeasible_bytes + least.peak_bytes) // 2
+        found = solve_partition_exact(graph, budget, probe_ctx.within(ctx.left() / probes_left), fit_only=True)
+        if found.report is not None:
+            least = found.report
+        elif found.status == "infeasible":
+            infeasible_bytes = budget
+        else:
+            break
+    return least, infeasible_bytes

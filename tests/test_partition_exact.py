@@ -23,7 +23,7 @@ from ckptplan.profiler.loss import training_loss
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.orchestrate import solve_partition_step
 from ckptplan.solvers.partition import no_recompute, solve_partition
-from ckptplan.solvers.partition_exact import solve_partition_exact
+from ckptplan.solvers.partition_exact import LEAST_RESOLUTION, least_partition, solve_partition_exact
 
 
 def _random_joint(seed: int) -> JointGraph:
@@ -104,6 +104,18 @@ def test_the_exact_model_is_exact_on_every_budget(seed: int) -> None:
         assert found.report.recompute_seconds == pytest.approx(least, abs=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_the_least_peak_bisection_ends_near_the_least_there_is(seed: int) -> None:
+    graph = _random_joint(seed)
+    every = _every_partition(graph)
+    lowest = min(r.peak_bytes for r in every)
+    fullest = max(every, key=lambda r: r.peak_bytes)
+    least, infeasible = least_partition(graph, SolveContext.limited(30), fullest, graph.static_bytes)
+    assert least == simulate_partition(graph, least.saved)
+    assert infeasible < lowest <= least.peak_bytes
+    assert least.peak_bytes - infeasible <= LEAST_RESOLUTION * least.peak_bytes or least.peak_bytes == lowest
+
+
 def _mlp(dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[
@@ -140,9 +152,13 @@ def test_greedy_alone_seeks_no_proof(joint: JointGraph) -> None:
     assert found.report == solve_partition(joint, budget).report
 
 
-def test_a_proved_infeasible_budget_says_so(joint: JointGraph) -> None:
+def test_a_proved_infeasible_budget_states_a_least_peak_the_solver_then_fits(joint: JointGraph) -> None:
     found = solve_partition_step(joint, joint.static_bytes + 1, solver="auto", time_limit=20)
     assert not found.feasible and found.status == "infeasible"
+    assert found.report == simulate_partition(joint, found.report.saved)
+    assert found.report.peak_bytes <= solve_partition(joint, joint.static_bytes + 1).report.peak_bytes
+    again = solve_partition_step(joint, found.report.peak_bytes, solver="auto", time_limit=20)
+    assert again.feasible and again.report.peak_bytes <= found.report.peak_bytes
 
 
 def test_compile_with_the_exact_solver_trains_as_eager_and_measures_as_predicted() -> None:
