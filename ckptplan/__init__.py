@@ -24,7 +24,7 @@ from ckptplan.errors import (
     UnknownSolverError,
 )
 from ckptplan.graph import ComputeGraph, Node, ShardSpec, StaticMemory, Storage
-from ckptplan.plan import Plan, Region, load_plan
+from ckptplan.plan import PartitionPlan, Plan, Region, load_any_plan, load_plan
 from ckptplan.units import format_bytes, parse_budget
 
 __version__ = "0.1.0"
@@ -53,6 +53,7 @@ __all__ = [  # noqa: PLE0604 (ruff cannot see that _LAZY's keys are strings)
     "InfeasibleBudgetError",
     "ModelFileError",
     "Node",
+    "PartitionPlan",
     "Plan",
     "PlanFormatError",
     "Region",
@@ -62,6 +63,7 @@ __all__ = [  # noqa: PLE0604 (ruff cannot see that _LAZY's keys are strings)
     "TraceError",
     "UnknownSolverError",
     "format_bytes",
+    "load_any_plan",
     "load_plan",
     "parse_budget",
     *_LAZY,

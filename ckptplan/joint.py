@@ -14,6 +14,8 @@ shares its base's storage; a multi-output op holds all its outputs' storages, an
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -91,6 +93,18 @@ class JointGraph:
         found = {i for v in self.values if v.phase == "backward" for i in v.inputs
                  if self.values[i].phase == "forward"}
         return tuple(sorted(found))
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Stable hash of the values (names, ops, phases, inputs, storages) and storage sizes:
+        equal for the joint graph of the same model, input shapes and dtypes."""
+        payload = {
+            "values": [[v.name, v.op, v.phase, list(v.inputs), list(v.storages)] for v in self.values],
+            "storages": list(self.storage_bytes),
+            "outputs": [list(self.forward_outputs), list(self.backward_outputs)],
+        }
+        blob = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
 
     def index_of(self, name: str) -> int:
         for value in self.values:

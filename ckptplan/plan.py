@@ -197,6 +197,72 @@ class Plan(_Frozen):
         return [r for top in self.regions for r in top.walk()]
 
 
+PARTITION_SCHEMA_VERSION = "ckptplan.partition/v1"
+
+
+class PartitionPrediction(_Frozen):
+    """What ``ckptplan.partition`` says of a compiled step's partition: its peak (and each
+    graph's), the peak saving everything the backward reads, and the work the backward repeats,
+    priced on ``priced_on`` (the joint graph's roofline)."""
+
+    peak_bytes: int = Field(ge=0)
+    forward_peak_bytes: int = Field(ge=0)
+    backward_peak_bytes: int = Field(ge=0)
+    baseline_peak_bytes: int = Field(ge=0)
+    recompute_flops: int = Field(ge=0)
+    recompute_seconds: float = Field(ge=0.0)
+    priced_on: str | None = None
+
+
+class PartitionPlan(_Frozen):
+    """A compiled step's plan (``ckptplan.compile``): which forward values of AOTAutograd's joint
+    graph the forward saves for the backward; the backward computes the others it needs again.
+    Values are named as in the joint graph; ``model.fingerprint`` is the joint graph's
+    (``JointGraph.fingerprint``) and ``model.node_count`` its values. ``solver.name`` is the
+    search asked for and ``solver.origin`` the one that found the saved set."""
+
+    schema_version: Literal["ckptplan.partition/v1"] = PARTITION_SCHEMA_VERSION
+    kind: Literal["joint-graph partition"] = "joint-graph partition"
+    model: ModelInfo
+    budget: BudgetInfo
+    solver: SolverInfo
+    prediction: PartitionPrediction
+    saved: tuple[str, ...]
+    recomputed: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _check_names(self) -> PartitionPlan:
+        for field in ("saved", "recomputed"):
+            names = getattr(self, field)
+            if len(set(names)) != len(names):
+                raise ValueError(f"{field} names a value twice")
+        both = set(self.saved) & set(self.recomputed)
+        if both:
+            raise ValueError(f"{min(both)!r} is both saved and recomputed")
+        return self
+
+    def to_json(self) -> str:
+        """Deterministic JSON text: same plan, same bytes."""
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=False) + "\n"
+
+
+def read_plan(text: str | bytes) -> Plan | PartitionPlan:
+    """A plan file's text as the plan its ``schema_version`` names: an eager step's ``Plan`` or a
+    compiled step's ``PartitionPlan``; any problem is a ``PlanFormatError``."""
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return Plan.from_json(text)  # which says what is wrong
+    if isinstance(raw, dict) and raw.get("schema_version") == PARTITION_SCHEMA_VERSION:
+        try:
+            return PartitionPlan.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "plan"
+            raise PlanFormatError(f"Plan field '{where}' is invalid: {first['msg']}.") from None
+    return Plan.from_json(text)
+
+
 def _region_depth(regions: Any) -> int:
     """How deeply raw (unvalidated) region lists nest through ``children``, found without recursion."""
     deepest, stack = 0, [(regions, 1)]
@@ -210,7 +276,20 @@ def _region_depth(regions: Any) -> int:
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read a plan file; a missing, unreadable or malformed file is a ``PlanFormatError``."""
+    """Read an eager step's plan file; a missing, unreadable or malformed file, or a compiled
+    step's plan (``load_any_plan`` reads those), is a ``PlanFormatError``."""
+    plan = load_any_plan(path)
+    if isinstance(plan, PartitionPlan):
+        raise PlanFormatError(
+            f"{str(path)!r} is a compiled step's plan (a joint-graph partition); apply it with "
+            "ckptplan.compile(model, args, plan=...), or verify it with 'ckptplan verify'."
+        )
+    return plan
+
+
+def load_any_plan(path: str | Path) -> Plan | PartitionPlan:
+    """Read a plan file of either kind (``read_plan``); a missing, unreadable or malformed file
+    is a ``PlanFormatError``."""
     path = Path(path)
     try:
         text = path.read_bytes()
@@ -219,7 +298,7 @@ def load_plan(path: str | Path) -> Plan:
     except OSError as exc:
         raise PlanFormatError(f"Plan file {str(path)!r} could not be read: {exc.strerror}.") from None
     try:
-        return Plan.from_json(text)
+        return read_plan(text)
     except PlanFormatError as exc:
         raise PlanFormatError(f"{str(path)!r}: {exc}") from None
 

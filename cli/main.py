@@ -24,6 +24,7 @@ from ckptplan.cli.exits import EXIT_ERROR, exits_on_error
 from ckptplan.cli.loader import AUTOCAST_DTYPES, LoadedModel, load_model
 from ckptplan.cli.render import (
     progress_line,
+    render_partition,
     render_plan,
     render_profile,
     render_sweep,
@@ -33,14 +34,17 @@ from ckptplan.cli.render import (
 from ckptplan.cli.summary import summarize
 from ckptplan.errors import BudgetError
 from ckptplan.graph import ComputeGraph, ShardSpec
-from ckptplan.plan import load_plan, plan_json_schema
+from ckptplan.joint import JointGraph
+from ckptplan.partition import simulate_partition
+from ckptplan.plan import PartitionPlan, load_any_plan, plan_json_schema
 from ckptplan.planner.io import check_plan_target, save_plan
-from ckptplan.planner.sweep import check_plotting, plot_pareto
+from ckptplan.planner.sweep import SweepPoint, check_plotting, plot_pareto, sweep_partitions
 from ckptplan.planner.sweep import sweep as run_sweep
 from ckptplan.planner.timeline_plot import plot_timeline
 from ckptplan.simulation import baseline_peak_bytes
 from ckptplan.solvers import available_solvers
 from ckptplan.solvers.context import Progress
+from ckptplan.solvers.partition import no_recompute
 from ckptplan.solvers.registry import get_solver
 from ckptplan.units import check_budget
 
@@ -202,7 +206,9 @@ def solve(
             help="Peak memory allowed: '80GB', '80GiB', bytes, '60%' or a fraction like 0.6.", show_default=False
         ),
     ],
-    solver: Annotated[str, typer.Option(help=f"Solver name: {', '.join(available_solvers())}.")] = "auto",
+    solver: Annotated[
+        str, typer.Option(help=f"Solver name: {', '.join(available_solvers())}; with --compile: auto, exact, greedy.")
+    ] = "auto",
     out: Annotated[Path | None, typer.Option(help="Write the plan JSON to this file.", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
     json_output: JsonOpt = False,
@@ -221,6 +227,13 @@ def solve(
         float | None,
         typer.Option(min=0.0, metavar="SECONDS", help="Stop the solver after this long.", show_default=False),
     ] = None,
+    compile_step: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="Plan the step torch.compile runs: which forward values of AOTAutograd's joint graph the backward keeps (ckptplan.compile); the plan file is a joint-graph partition.",
+        ),
+    ] = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Find which activations to keep and which to recompute so one step fits BUDGET.
@@ -229,10 +242,16 @@ def solve(
     what is recomputed, by module; -v adds the solver's details."""
     verbose = _verbose(ctx, verbose)
     # Cheap checks first: a typo should not cost a minutes-long profile.
-    get_solver(solver)
+    if compile_step:
+        _check_compile_options(solver, costs, trace, optimizer, shard_degree, autocast, target, spell_out, remat)
+    else:
+        get_solver(solver)
     check_budget(budget)
     if out is not None:
         check_plan_target(out, overwrite=force)
+    if compile_step:
+        _solve_compiled(model, budget, solver, time_limit, costs, outputs_live, out, force, json_output)
+        return
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
         log.info("profiling %s", loaded.source)
         graph = _profile(
@@ -299,7 +318,15 @@ def show(
     if plot is not None:
         check_plotting()
         check_plan_target(plot, overwrite=True)
-    plan = load_plan(plan_file)
+    plan = load_any_plan(plan_file)
+    if isinstance(plan, PartitionPlan):
+        if plot is not None:
+            raise ckptplan.CkptPlanError("A compiled step's plan has no timeline to plot; drop --plot.")
+        if json_output:
+            _write_stdout(plan.to_json())
+            return
+        render_partition(stderr_console(), plan)
+        return
     if plot is not None:
         plot_timeline(plan, plot)
     if json_output:
@@ -324,8 +351,9 @@ def verify(
     """Run real steps with and without PLAN.json: measured vs predicted peak, gradients, step time
     (median overhead, with the least and most of its paired steps).
 
+    A compiled step's plan (solve --compile) runs compiled with its partition (aot_eager).
     Exits 1 when the measured peak is over the plan's budget or the gradients differ."""
-    plan = load_plan(plan_file)
+    plan = load_any_plan(plan_file)
     with load_model(model) as loaded:
         result = ckptplan.verify(loaded.model, loaded.args, plan, loaded.kwargs, steps=steps, device=device.value)
     if json_output:
@@ -357,9 +385,20 @@ def sweep(
     outputs_live: OutputsLiveOpt = None,
     costs: CostsOpt = Costs.a100,
     remat: RematOpt = None,
+    compile_step: Annotated[
+        bool, typer.Option("--compile", help="The trade-off of the step torch.compile runs (see solve --compile).")
+    ] = False,
+    time_limit: Annotated[
+        float | None,
+        typer.Option(min=0.0, metavar="SECONDS", help="Stop the solver after this long, at each budget.",
+                     show_default=False),
+    ] = None,
 ) -> None:
     """Solve at several budgets and show the memory/recompute trade-off."""
-    get_solver(solver)
+    if compile_step:
+        _check_compile_options(solver, costs, trace, optimizer, shard_degree, autocast, target, spell_out, remat)
+    else:
+        get_solver(solver)
     requested = [b.strip() for b in budgets.split(",") if b.strip()]
     if not requested:
         raise BudgetError("--budgets lists no budget; write e.g. '0.9,0.7,0.5'.")
@@ -368,19 +407,31 @@ def sweep(
     if plot is not None:
         check_plotting()
         check_plan_target(plot, overwrite=True)
+    if compile_step:
+        joint = _joint_graph(model, costs, outputs_live)
+        with _progress(f"partitioning {joint.name} at {len(requested)} budgets"):
+            points = sweep_partitions(joint, requested, solver=solver, time_limit=time_limit)
+        baseline = simulate_partition(joint, no_recompute(joint)).peak_bytes
+        _show_sweep(points, plot, f"{joint.name} (compiled): peak memory vs recompute", baseline, json_output)
+        return
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
         graph = _profile(
             loaded, trace, optimizer, shard_degree, zero_stage, master_dtype, autocast, target, costs, spell_out,
             outputs_live,
         )
     with _progress(f"solving {graph.name} at {len(requested)} budgets"):
-        points = run_sweep(graph, requested, solver=solver, remat=remat)
+        points = run_sweep(graph, requested, solver=solver, time_limit=time_limit, remat=remat)
+    _show_sweep(points, plot, f"{graph.name}: peak memory vs recompute", baseline_peak_bytes(graph), json_output)
+
+
+def _show_sweep(points: list[SweepPoint], plot: Path | None, title: str, baseline: int, json_output: bool) -> None:
+    """The sweep's points: plotted, as JSON on stdout, or as a table."""
     if plot is not None:
-        plot_pareto(points, plot, f"{graph.name}: peak memory vs recompute")
+        plot_pareto(points, plot, title)
     if json_output:
         _write_stdout(json.dumps([p.to_dict() for p in points], indent=2) + "\n")
         return
-    render_sweep(stderr_console(), baseline_peak_bytes(graph), points)
+    render_sweep(stderr_console(), baseline, points)
     if plot is not None:
         stderr_console().print(f"Wrote the plot to {plot}", markup=False, soft_wrap=True)
 
@@ -471,6 +522,71 @@ def _profile(
         autocast=getattr(torch, autocast) if autocast is not None else None, target=target_name,
         roofline=roofline, measure_times=costs == Costs.here, spell_out=spell_out, outputs_live=outputs_live,
     )
+
+
+def _check_compile_options(
+    solver: str, costs: Costs, trace: TraceMode, optimizer: Optimizer | None, shard_degree: int | None,
+    autocast: str | None, target: Device | None, spell_out: bool, remat: bool | None,
+) -> None:
+    """``--compile``'s refusals, before anything is loaded: its solvers, and options of the eager
+    step's profile that a compiled step does not take."""
+    from ckptplan.solvers.orchestrate import PARTITION_SOLVERS
+
+    if solver not in PARTITION_SOLVERS:
+        raise ckptplan.UnknownSolverError(
+            f"Unknown solver {solver!r} for --compile; choose one of: {', '.join(PARTITION_SOLVERS)}."
+        )
+    if costs == Costs.here:
+        raise ckptplan.CkptPlanError("--costs here is not available with --compile; use --costs a100 or flops.")
+    unsupported = [name for name, given in (
+        ("--trace", trace != TraceMode.export), ("--optimizer", optimizer is not None),
+        ("--shard-degree", shard_degree is not None), ("--autocast", autocast is not None),
+        ("--target", target is not None), ("--spell-out", spell_out), ("--remat/--no-remat", remat is not None),
+    ) if given]
+    if unsupported:
+        raise ckptplan.CkptPlanError(f"{unsupported[0]} does not apply to a compiled step (--compile); drop it.")
+
+
+def _solve_compiled(
+    model: str, budget: str, solver: str, time_limit: float | None, costs: Costs, outputs_live: bool | None,
+    out: Path | None, force: bool, json_output: bool,
+) -> None:
+    """``solve --compile``: compile the model once with ckptplan's partitioner (aot_eager, whose
+    joint graph is inductor's) and write or print its partition."""
+    from ckptplan.profiler.cost import A100, FLOPS
+
+    with load_model(model) as loaded, _progress(f"compiling and partitioning {loaded.source}"):
+        if outputs_live is None:
+            outputs_live = loaded.training.get("outputs", "kept") == "kept"
+        module = ckptplan.compile(
+            loaded.model, loaded.args, loaded.kwargs, budget=budget, solver=solver, backend="aot_eager",
+            time_limit=time_limit, outputs_live=outputs_live, roofline=FLOPS if costs == Costs.flops else A100,
+        )
+    plan = module.ckptplan_plan.to_plan()
+    if out is not None:
+        save_plan(plan, out, overwrite=force)
+    if json_output:
+        _write_stdout(plan.to_json())
+        return
+    console = stderr_console()
+    render_partition(console, plan)
+    if out is not None:
+        console.print(f"Wrote the plan to {out}", markup=False, soft_wrap=True)
+
+
+def _joint_graph(model: str, costs: Costs, outputs_live: bool | None) -> JointGraph:
+    """The model's compiled step's joint graph, as ``ckptplan.compile`` reads it (compiled once,
+    with nothing recomputed)."""
+    from ckptplan.profiler.cost import A100, FLOPS
+
+    with load_model(model) as loaded, _progress(f"compiling {loaded.source}"):
+        if outputs_live is None:
+            outputs_live = loaded.training.get("outputs", "kept") == "kept"
+        module = ckptplan.compile(
+            loaded.model, loaded.args, loaded.kwargs, budget=1.0, solver="greedy", backend="aot_eager",
+            outputs_live=outputs_live, roofline=FLOPS if costs == Costs.flops else A100,
+        )
+    return module.ckptplan_plan.graph
 
 
 def _write_stdout(text: str) -> None:

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptplan.cli.summary import GroupRow, ProfileSummary, RecomputeRow, recomputed_by_module
-from ckptplan.plan import Plan, SolverInfo
+from ckptplan.plan import PartitionPlan, Plan, SolverInfo
 from ckptplan.planner.sweep import SweepPoint
 from ckptplan.planner.verify import Verification
 from ckptplan.solvers.context import Progress
@@ -101,6 +101,40 @@ def render_plan(console: Console, plan: Plan, *, costs: str | None = None, verbo
         console.print(_modules_table(plan))
     elif recomputed:
         console.print(Text("(-v: solver details, regions by node index, bytes by module)", style="dim"))
+
+
+PARTITION_NAMES_SHOWN = 12  # recomputed values a compiled step's plan lists by name
+
+
+def render_partition(console: Console, plan: PartitionPlan) -> None:
+    """A compiled step's plan: the budget, the predicted peak against it and against saving
+    everything the backward reads, the work the backward repeats and what prices it, the search
+    and what it proved, and the values recomputed (joint-graph names)."""
+    prediction, solver = plan.prediction, plan.solver
+    verdict = {"optimal": "least recomputation proved", "infeasible": "nothing fits the budget (proved)"}.get(
+        solver.status, "not proven least")
+    found = f", found by the {solver.origin} search" if solver.origin and solver.origin != solver.name else ""
+    rows = [
+        ("model", f"{plan.model.name} (joint graph of {plan.model.node_count} nodes, compiled step)"),
+        *_step_rows(plan.model.autocast, plan.model.target, plan.model.outputs_live),
+        ("budget", f"{plan.budget.requested} = {format_bytes(plan.budget.bytes)}"),
+        ("peak", f"{format_bytes(prediction.peak_bytes)} predicted"
+                 + (f" ({prediction.peak_bytes / plan.budget.bytes:.0%} of budget)" if plan.budget.bytes else "")
+                 + f", {format_bytes(prediction.baseline_peak_bytes)} recomputing nothing"),
+        ("recomputed", f"{len(plan.recomputed)} values, {format_flops(prediction.recompute_flops)} again"
+                       + (f", priced on {_PRICED_ON.get(prediction.priced_on, prediction.priced_on)}"
+                          if plan.recomputed and prediction.priced_on else "")),
+        ("saved", f"{len(plan.saved)} forward values handed to the backward"),
+        ("solver", f"{solver.name} in {solver.seconds:.1f} s{found}: {verdict}"),
+    ]
+    if plan.recomputed:
+        shown = ", ".join(plan.recomputed[:PARTITION_NAMES_SHOWN])
+        rows.append(("", shown + (", …" if len(plan.recomputed) > PARTITION_NAMES_SHOWN else "")))
+    console.print(_facts(rows))
+
+
+_PRICED_ON = {"a100": "an A100 datasheet roofline", "flops": "FLOPs alone", "measured": "this machine's timings",
+              "custom": "the roofline given to compile()"}
 
 
 def pricing(plan: Plan, costs: str | None) -> str:

@@ -22,18 +22,29 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from ckptplan.errors import CkptPlanError, InfeasibleBudgetError, UnknownSolverError
+from ckptplan.errors import CkptPlanError, FingerprintMismatchError, InfeasibleBudgetError, UnknownSolverError
 from ckptplan.joint import JointGraph
 from ckptplan.partition import PartitionReport, simulate_partition
+from ckptplan.plan import (
+    BudgetInfo,
+    InputInfo,
+    ModelInfo,
+    PartitionPlan,
+    PartitionPrediction,
+    SolverInfo,
+    load_any_plan,
+)
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.joint import dropout_from_masks, is_tangent, read_joint
 from ckptplan.solvers.orchestrate import PARTITION_SOLVERS, solve_partition_step
-from ckptplan.solvers.partition import no_recompute
+from ckptplan.solvers.partition import Partition, no_recompute
 from ckptplan.units import format_bytes, parse_budget
 
 log = logging.getLogger(__name__)
@@ -51,7 +62,10 @@ class CompiledPlan:
     ``recompute_seconds`` and ``recompute_flops``: the work the backward repeats, priced on
     ``priced_on`` (the graph's roofline). ``solver``: the search that found the partition
     (``greedy`` or ``exact``); ``status``: what is proved of it (``solvers.partition.Partition``);
-    ``seconds``: the time the search took."""
+    ``seconds``: the time the search took. ``asked``: the solver asked for (``"plan"``: the
+    saved set came from a plan file); ``requested``: the budget as asked; ``inputs``: the
+    shapes and dtypes of the step's tensor inputs. ``to_plan`` makes it a plan file's
+    ``PartitionPlan``."""
 
     graph: JointGraph
     budget_bytes: int
@@ -60,6 +74,29 @@ class CompiledPlan:
     solver: str = "greedy"
     status: str = "heuristic"
     seconds: float = 0.0
+    asked: str = "greedy"
+    requested: str = ""
+    inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
+
+    def to_plan(self) -> PartitionPlan:
+        """This partition as a plan file's ``PartitionPlan`` (``ckptplan.plan``)."""
+        graph, report = self.graph, self.report
+        status = {"optimal": "optimal", "infeasible": "infeasible"}.get(self.status, "feasible")
+        return PartitionPlan(
+            model=ModelInfo(name=graph.name, fingerprint=graph.fingerprint, node_count=len(graph.values),
+                            inputs=tuple(InputInfo(shape=shape, dtype=dtype) for shape, dtype in self.inputs),
+                            outputs_live=graph.outputs_live),
+            budget=BudgetInfo(requested=self.requested or str(self.budget_bytes), bytes=self.budget_bytes),
+            solver=SolverInfo(name=self.asked, status=status, seconds=round(self.seconds, 3), origin=self.solver),
+            prediction=PartitionPrediction(
+                peak_bytes=report.peak_bytes, forward_peak_bytes=report.forward_peak_bytes,
+                backward_peak_bytes=report.backward_peak_bytes, baseline_peak_bytes=self.baseline_peak_bytes,
+                recompute_flops=report.recompute_flops, recompute_seconds=report.recompute_seconds,
+                priced_on=graph.priced_on,
+            ),
+            saved=self.saved,
+            recomputed=self.recomputed,
+        )
 
     @property
     def priced_on(self) -> str | None:
@@ -99,6 +136,8 @@ class Partitioner:
     ) -> None:
         self.budget, self.roofline, self.outputs_live, self.name = budget, roofline, outputs_live, name
         self.solver, self.time_limit = solver, time_limit
+        self.follow: PartitionPlan | None = None  # a plan file's saved set, used instead of solving
+        self.inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
         self.plans: list[CompiledPlan] = []
         self.error: CkptPlanError | None = None
 
@@ -122,12 +161,18 @@ class Partitioner:
         baseline = simulate_partition(graph, no_recompute(graph))
         budget_bytes = parse_budget(self.budget, baseline.peak_bytes)
         started = time.perf_counter()
-        found = solve_partition_step(
-            graph, budget_bytes, solver=self.solver, time_limit=self.time_limit,
-            starts=_min_cut_starts(joint, graph, num_fwd_outputs, kwargs),
-        )
+        if self.follow is not None:
+            found = self._followed(graph, budget_bytes)
+        else:
+            found = solve_partition_step(
+                graph, budget_bytes, solver=self.solver, time_limit=self.time_limit,
+                starts=_min_cut_starts(joint, graph, num_fwd_outputs, kwargs),
+            )
+        requested = self.budget if isinstance(self.budget, str) else repr(self.budget)
         plan = CompiledPlan(graph, budget_bytes, baseline.peak_bytes, found.report, solver=found.origin,
-                            status=found.status, seconds=time.perf_counter() - started)
+                            status=found.status, seconds=time.perf_counter() - started,
+                            asked="plan" if self.follow is not None else self.solver, requested=requested,
+                            inputs=self.inputs)
         self.plans.append(plan)
         if not found.feasible:
             proved = " (no partition fits it: proved by the exact model)" if found.status == "infeasible" else ""
@@ -157,6 +202,19 @@ class Partitioner:
         _check_order(forward, [graph.values[i].name for i in found.report.forward_order], "forward")
         _check_order(backward, [graph.values[i].name for i in found.report.backward_order], "backward")
         return forward, backward
+
+    def _followed(self, graph: JointGraph, budget_bytes: int) -> Partition:
+        """The partition ``self.follow`` names, on the joint graph it was made for."""
+        plan = self.follow
+        if graph.fingerprint != plan.model.fingerprint:
+            self.error = FingerprintMismatchError(
+                f"The plan is for another compiled step (joint graph {plan.model.fingerprint}; this model's is "
+                f"{graph.fingerprint}): the model, its input shapes or dtypes, or torch differ; solve again."
+            )
+            raise self.error
+        report = simulate_partition(graph, [graph.index_of(name) for name in plan.saved])
+        return Partition(report=report, feasible=report.peak_bytes <= budget_bytes,
+                         origin=plan.solver.origin or plan.solver.name)
 
 
 def _real_device(joint: fx.GraphModule) -> torch.device | None:
@@ -244,12 +302,13 @@ def compile(
     args: Any = (),
     kwargs: dict[str, Any] | None = None,
     *,
-    budget: str | float,
+    budget: str | float | None = None,
     solver: str = "auto",
     backend: Backend = "inductor",
     time_limit: float | None = None,
-    outputs_live: bool = True,
+    outputs_live: bool | None = None,
     roofline: Roofline | None = None,
+    plan: PartitionPlan | str | Path | None = None,
 ) -> nn.Module:
     """``torch.compile(model)`` whose training step saves what ckptplan chooses for ``budget``.
 
@@ -262,14 +321,27 @@ def compile(
     recomputation where it can, in ``time_limit`` seconds, 30 by default), ``"exact"`` (the
     same, 120 s by default) or ``"greedy"`` (the greedy search alone); see
     ``solvers.orchestrate.solve_partition_step``. ``outputs_live``: the training loop keeps the
-    outputs until backward ends (``profile``'s default). Raises ``InfeasibleBudgetError`` when no
-    partition found fits the budget.
+    outputs until backward ends (None: the plan's, else True, ``profile``'s default).
+    ``plan``: a compiled step's plan (a ``PartitionPlan`` or its file, ``CompiledPlan.to_plan``)
+    whose saved set to use instead of solving, on the joint graph it was made for; its budget
+    unless ``budget`` is given. Raises ``InfeasibleBudgetError`` when no partition found (or the
+    plan's) fits the budget.
     """
     if backend not in ("inductor", "aot_eager"):
         raise CkptPlanError(f"Unknown backend {backend!r}; use 'inductor' or 'aot_eager'.")
     if not isinstance(model, nn.Module):
         raise CkptPlanError(f"Expected a torch.nn.Module to compile, got {type(model).__name__}.")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    if plan is not None and not isinstance(plan, PartitionPlan):
+        plan = load_any_plan(plan)
+        if not isinstance(plan, PartitionPlan):
+            raise CkptPlanError("The plan is an eager step's (regions); apply it with ckptplan.apply, not compile.")
+    if budget is None:
+        if plan is None:
+            raise CkptPlanError("compile needs a budget, or a plan to follow.")
+        budget = plan.budget.bytes
+    if outputs_live is None:
+        outputs_live = plan.model.outputs_live if plan is not None else True
     choose_loss_functions(model)
     if solver not in PARTITION_SOLVERS:
         raise UnknownSolverError(
@@ -278,6 +350,11 @@ def compile(
     partitioner = Partitioner(
         budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__, solver=solver,
         time_limit=time_limit,
+    )
+    partitioner.follow = plan
+    partitioner.inputs = tuple(
+        (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)
     )
     if backend == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
@@ -299,7 +376,12 @@ def compile(
             options={"custom_partitioner_fn": _inductor_partitioner(partitioner), "fallback_random": True},
         )
     with torch.enable_grad():
-        compiled(*args, **(kwargs or {}))  # compiles, and partitions, the training graph
+        try:
+            compiled(*args, **(kwargs or {}))  # compiles, and partitions, the training graph
+        except Exception:
+            if partitioner.error is not None:  # Dynamo wraps what the partitioner raised
+                raise partitioner.error from None
+            raise
     if not partitioner.plans:
         raise CkptPlanError(
             f"torch.compile ran {type(model).__name__} without a training graph to partition: "

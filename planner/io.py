@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from ckptplan.errors import CkptPlanError
-from ckptplan.plan import Plan
+from ckptplan.plan import PartitionPlan, Plan
 
 
 def check_plan_target(path: str | Path, *, overwrite: bool) -> Path:
@@ -24,7 +24,7 @@ def check_plan_target(path: str | Path, *, overwrite: bool) -> Path:
     return path
 
 
-def save_plan(plan: Plan, path: str | Path, *, overwrite: bool = True) -> Path:
+def save_plan(plan: Plan | PartitionPlan, path: str | Path, *, overwrite: bool = True) -> Path:
     """Write ``plan`` as JSON to ``path`` via a temporary file and rename, so a crash or full
     disk never leaves a half-written plan. With ``overwrite=False`` an existing file is an error."""
     path = check_plan_target(path, overwrite=overwrite)

@@ -1,4 +1,5 @@
-"""The memory/compute trade-off of one graph: solve at several budgets, optionally plot it."""
+"""The memory/compute trade-off of one graph (an eager step's, or a compiled step's joint graph):
+solve at several budgets, optionally plot it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from pathlib import Path
 
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
+from ckptplan.joint import JointGraph
+from ckptplan.partition import simulate_partition
 from ckptplan.solvers import solve
+from ckptplan.solvers.partition import no_recompute
+from ckptplan.units import parse_budget
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,31 @@ def sweep(
                 plan.prediction.overhead,
             )
         )
+    return points
+
+
+def sweep_partitions(
+    graph: JointGraph, budgets: Sequence[str | int | float], solver: str = "auto", time_limit: float | None = None,
+) -> list[SweepPoint]:
+    """A compiled step's trade-off: ``solve_partition_step`` on its joint graph at each budget
+    (a fraction is of the peak recomputing nothing). ``overhead`` is the recomputed seconds over
+    the step's (every forward and backward value's cost); infeasible budgets give a point with no
+    partition."""
+    from ckptplan.solvers.orchestrate import solve_partition_step  # imports the partition solvers
+
+    baseline = simulate_partition(graph, no_recompute(graph)).peak_bytes
+    step_seconds = sum(v.cost for v in graph.values if v.phase in ("forward", "backward")) or 1.0
+    points = []
+    for budget in budgets:
+        requested = budget if isinstance(budget, str) else repr(budget)
+        budget_bytes = parse_budget(budget, baseline)
+        found = solve_partition_step(graph, budget_bytes, solver=solver, time_limit=time_limit)
+        report = found.report
+        if not found.feasible:
+            points.append(SweepPoint(requested, budget_bytes, solver, None, None, None, report.peak_bytes))
+            continue
+        points.append(SweepPoint(requested, budget_bytes, solver, report.peak_bytes, report.recompute_flops,
+                                 report.recompute_seconds / step_seconds))
     return points
 
 

@@ -28,6 +28,10 @@ that each of the storage's holders, live there, forces to one. The rows are the 
 partitions found so far peak over the budget, added lazily, as ``solvers.ilp_lazy`` adds its
 memory rows: the model with some rows is a relaxation of the model with all of them, so an
 optimum that the simulator confirms within budget is the optimum.
+
+``least_partition`` asks the same model, with no objective, whether anything fits a budget, and
+bisects on the budget to find a least peak below the one the greedy search states.
+``tests/test_partition_exact.py`` checks both against every saved set of small joint graphs.
 """
 
 from __future__ import annotations
@@ -86,6 +90,9 @@ class _Layout:
 
 
 def layout(graph: JointGraph) -> _Layout:
+    """The backward's fixed sequence, as ``partition.backward_values`` orders it: the backward
+    nodes the gradients need and, from the first that reads a tangent on, every forward value
+    too (those it needs run in place), each ``getitem`` after its tuple."""
     values = graph.values
     runs: set[int] = set()
     stack = list(graph.backward_outputs)

@@ -198,3 +198,13 @@ def test_a_transformers_model_compiles_whole_and_measures_as_predicted() -> None
     measured = ckptplan.measure_step(compiled, (ids,), {"labels": ids}, outputs_live=False).peak_bytes
     assert abs(measured - compiled.ckptplan_plan.peak_bytes) <= 64
     assert compiled.ckptplan_plan.peak_bytes <= compiled.ckptplan_plan.budget_bytes
+
+
+def test_a_bfloat16_step_measures_as_predicted() -> None:
+    """Weights and activations in bfloat16: the joint graph's bytes are bfloat16's, and the
+    prediction is the allocator's count."""
+    model, x = _mlp(dropout=0.1).to(torch.bfloat16), torch.randn(1024, 64, dtype=torch.bfloat16)
+    compiled = ckptplan.compile(model, (x,), budget=0.7, backend="aot_eager", outputs_live=False, time_limit=3)
+    plan = compiled.ckptplan_plan
+    assert plan.recomputed and plan.peak_bytes <= plan.budget_bytes
+    assert 0 <= _measured(compiled, x) - plan.peak_bytes <= 64
