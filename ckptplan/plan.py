@@ -310,3 +310,10 @@ def plan_json_schema() -> dict[str, Any]:
     bounds = schema["$defs"]["Region"]["properties"]
     bounds["start"]["minimum"], bounds["end"]["minimum"] = 0, 1  # ``ckptplan.region``'s rules
     return schema
+
+
+def partition_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a compiled step's plan files, as ``ckptplan schema --compile`` prints it."""
+    schema = PartitionPlan.model_json_schema()
+    schema["$id"] = PARTITION_SCHEMA_VERSION
+    return schema

@@ -36,7 +36,7 @@ from ckptplan.errors import BudgetError
 from ckptplan.graph import ComputeGraph, ShardSpec
 from ckptplan.joint import JointGraph
 from ckptplan.partition import simulate_partition
-from ckptplan.plan import PartitionPlan, load_any_plan, plan_json_schema
+from ckptplan.plan import PartitionPlan, load_any_plan, partition_json_schema, plan_json_schema
 from ckptplan.planner.io import check_plan_target, save_plan
 from ckptplan.planner.sweep import SweepPoint, check_plotting, plot_pareto, sweep_partitions
 from ckptplan.planner.sweep import sweep as run_sweep
@@ -437,9 +437,13 @@ def _show_sweep(points: list[SweepPoint], plot: Path | None, title: str, baselin
 
 
 @app.command()
-def schema() -> None:
+def schema(
+    compile_step: Annotated[
+        bool, typer.Option("--compile", help="The schema of a compiled step's plan files (solve --compile).")
+    ] = False,
+) -> None:
     """Print the JSON Schema of plan files."""
-    _write_stdout(json.dumps(plan_json_schema(), indent=2) + "\n")
+    _write_stdout(json.dumps(partition_json_schema() if compile_step else plan_json_schema(), indent=2) + "\n")
 
 
 def _verbose(ctx: typer.Context, verbose: bool) -> bool:

@@ -545,19 +545,24 @@ def least_partition(
     """A partition of lower peak than ``least`` where the exact model finds one: a bisection on
     the budget between ``infeasible_bytes``, a budget proved to fit nothing, and the least peak
     found so far, each probe the exact model's search for any saved set within it, sharing
-    ``ctx``'s time. Stops when the two are within ``LEAST_RESOLUTION`` of each other, when a
-    probe proves nothing, or when the time is up. Returns the least partition found and the
-    greatest budget proved to fit nothing."""
+    ``ctx``'s time. A probe that finds one lowers the least; one that proves none raises the
+    bound; one that runs out of its time leaves the budgets below it untried. Stops when the
+    least and the lowest budget left are within ``LEAST_RESOLUTION`` of each other, or when the
+    time is up. Returns the least partition found and the greatest budget proved to fit
+    nothing."""
     probe_ctx = ctx.unscored()
+    low = infeasible_bytes  # budgets at or below it are proved infeasible, or given up on
     for probes_left in range(LEAST_PROBES, 0, -1):
-        if ctx.over() or least.peak_bytes - infeasible_bytes <= LEAST_RESOLUTION * least.peak_bytes:
+        if ctx.over() or least.peak_bytes - low <= LEAST_RESOLUTION * least.peak_bytes:
             break
-        budget = (infeasible_bytes + least.peak_bytes) // 2
+        budget = (low + least.peak_bytes) // 2
         found = solve_partition_exact(graph, budget, probe_ctx.within(ctx.left() / probes_left), fit_only=True)
         if found.report is not None:
             least = found.report
-        elif found.status == "infeasible":
-            infeasible_bytes = budget
         else:
-            break
+            low = budget
+            if found.status == "infeasible":
+                infeasible_bytes = budget
     return least, infeasible_bytes
+
+

@@ -128,3 +128,9 @@ def test_sweep_compile_partitions_the_joint_graph_at_each_budget(model_file: Pat
         assert point["peak_bytes"] <= point["budget_bytes"] and point["overhead"] >= 0
     assert points[0]["recompute_flops"] <= points[1]["recompute_flops"]
     assert points[2]["peak_bytes"] is None and points[2]["least_peak_bytes"] > points[2]["budget_bytes"]
+
+
+def test_schema_compile_is_the_partition_files_schema() -> None:
+    schema = json.loads(invoke("schema", "--compile").stdout)
+    assert schema["$id"] == "ckptplan.partition/v1"
+    assert {"saved", "recomputed", "prediction", "model"} <= set(schema["properties"])
