@@ -84,6 +84,13 @@ class JointGraph:
         return frozenset(s for v in self.values if v.phase == "primal" for s in v.storages)
 
     @cached_property
+    def held_storages(self) -> tuple[tuple[int, ...], ...]:
+        """For each value, the storages it holds that are not the primals' (what holding it
+        adds to the live bytes)."""
+        static = self.static_storages
+        return tuple(tuple(s for s in v.storages if s not in static) for v in self.values)
+
+    @cached_property
     def static_bytes(self) -> int:
         return sum(self.storage_bytes[s] for s in self.static_storages)
 

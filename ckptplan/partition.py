@@ -68,23 +68,38 @@ def _last_reads(graph: JointGraph, order: list[int]) -> dict[int, int]:
     return {j: position for position, i in enumerate(order) for j in graph.values[i].inputs}
 
 
-def backward_values(graph: JointGraph, saved: frozenset[int]) -> tuple[list[int], set[int]]:
-    """The values the backward computes, in its order, and the forward ones among them."""
+def backward_needs(graph: JointGraph, saved: frozenset[int]) -> set[int]:
+    """The values the backward computes (backward ones, and forward ones it computes again)."""
     values = graph.values
     needed: set[int] = set()
     stack = list(graph.backward_outputs)
     while stack:
         i = stack.pop()
-        if i in needed or values[i].phase in ("primal", "tangent") or i in saved:
+        if i in needed or i in saved or values[i].phase in ("primal", "tangent"):
             continue
         needed.add(i)
         stack.extend(values[i].inputs)
+    return needed
+
+
+def backward_values(graph: JointGraph, saved: frozenset[int]) -> tuple[list[int], set[int]]:
+    """The values the backward computes, in its order, and the forward ones among them."""
+    values = graph.values
+    needed = backward_needs(graph, saved)
     again = {i for i in needed if values[i].phase == "forward"}
     order: list[int] = []
     placed: set[int] = set()
 
     def place(i: int) -> None:
-        pending, todo = set(), [i]
+        """``i`` after what it needs that is not yet placed, those in joint order."""
+        if i in placed:
+            return
+        todo = [j for j in values[i].inputs if j in needed and j not in placed]
+        if not todo:  # the common case: everything it reads is placed
+            placed.add(i)
+            order.append(i)
+            return
+        pending = {i}
         while todo:
             j = todo.pop()
             if j in placed or j in pending or j not in needed:
@@ -188,18 +203,38 @@ def simulate_partition(
             best[backward] = (at, i, tuple(sorted(holding)))
 
     def run(order: list[int], last: dict[int, int], kept: set[int], backward: bool) -> None:
-        """Compute ``order``, each value freed after its last reader unless ``kept``."""
+        """Compute ``order``, each value freed after its last reader unless ``kept``: ``hold``,
+        ``note`` and ``release`` written out, as this loop is the search's inner loop."""
+        nonlocal live
         readers: dict[int, list[int]] = {}
         for j, position in last.items():
             if j not in kept:
                 readers.setdefault(position, []).append(j)
+        held = graph.held_storages
         for position, i in enumerate(order):
-            hold(i)
-            note(i, backward)
-            for j in readers.get(position, ()):
-                release(j)
+            holding.add(i)
+            for s in held[i]:
+                count = holders.get(s, 0)
+                holders[s] = count + 1
+                if count == 0:
+                    live += size[s]
+            at = live + values[i].workspace_bytes
+            if notes is not None:
+                notes.append((i, backward, at))
+            if at > best[backward][0]:
+                best[backward] = (at, i, tuple(sorted(holding)))
+            freed = readers.get(position, [])
             if i not in last and i not in kept:
-                release(i)
+                freed = [*freed, i]
+            for j in freed:
+                if j not in holding:
+                    continue
+                holding.discard(j)
+                for s in held[j]:
+                    holders[s] -= 1
+                    if holders[s] == 0:
+                        live -= size[s]
+                        del holders[s]
 
     # Forward.
     run(forward, _last_reads(graph, forward), set(graph.forward_outputs) | saved_set, False)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ckptplan.joint import JointGraph
-from ckptplan.partition import PartitionReport, backward_values, simulate_partition
+from ckptplan.partition import PartitionReport, backward_needs, simulate_partition
 
 # Rounds of the greedy search at most, as a multiple of the candidates (each round removes one).
 _ROUNDS_PER_CANDIDATE = 2
@@ -47,7 +47,7 @@ class Partition:
 def must_save(graph: JointGraph, saved: frozenset[int]) -> frozenset[int]:
     """``saved`` with every value the backward would need but cannot compute again."""
     while True:
-        _, again = backward_values(graph, saved)
+        again = {i for i in backward_needs(graph, saved) if graph.values[i].phase == "forward"}
         missing = set()
         for i in again:
             if graph.values[i].recomputable:
