@@ -163,9 +163,9 @@ def simulate_partition(
             f"The backward needs {', '.join(sorted(missing)[:3])}, which it cannot compute again; save it."
         )
     forward = raise_getitems(graph, sorted(_ancestors(graph, (*graph.forward_outputs, *saved_set))))
-    static = graph.static_storages
     size = graph.storage_bytes
 
+    held = graph.held_storages
     holders: dict[int, int] = {}  # storage -> values holding it
     live = 0
     holding: set[int] = set()
@@ -173,11 +173,10 @@ def simulate_partition(
     def hold(i: int) -> None:
         nonlocal live
         holding.add(i)
-        for s in values[i].storages:
-            if s in static:
-                continue
-            holders[s] = holders.get(s, 0) + 1
-            if holders[s] == 1:
+        for s in held[i]:
+            count = holders.get(s, 0)
+            holders[s] = count + 1
+            if count == 0:
                 live += size[s]
 
     def release(i: int) -> None:
@@ -185,9 +184,7 @@ def simulate_partition(
         if i not in holding:
             return
         holding.discard(i)
-        for s in values[i].storages:
-            if s in static:
-                continue
+        for s in held[i]:
             holders[s] -= 1
             if holders[s] == 0:
                 live -= size[s]
@@ -203,38 +200,18 @@ def simulate_partition(
             best[backward] = (at, i, tuple(sorted(holding)))
 
     def run(order: list[int], last: dict[int, int], kept: set[int], backward: bool) -> None:
-        """Compute ``order``, each value freed after its last reader unless ``kept``: ``hold``,
-        ``note`` and ``release`` written out, as this loop is the search's inner loop."""
-        nonlocal live
+        """Compute ``order``, each value freed after its last reader unless ``kept``."""
         readers: dict[int, list[int]] = {}
         for j, position in last.items():
             if j not in kept:
                 readers.setdefault(position, []).append(j)
-        held = graph.held_storages
         for position, i in enumerate(order):
-            holding.add(i)
-            for s in held[i]:
-                count = holders.get(s, 0)
-                holders[s] = count + 1
-                if count == 0:
-                    live += size[s]
-            at = live + values[i].workspace_bytes
-            if notes is not None:
-                notes.append((i, backward, at))
-            if at > best[backward][0]:
-                best[backward] = (at, i, tuple(sorted(holding)))
-            freed = readers.get(position, [])
+            hold(i)
+            note(i, backward)
+            for j in readers.get(position, ()):
+                release(j)
             if i not in last and i not in kept:
-                freed = [*freed, i]
-            for j in freed:
-                if j not in holding:
-                    continue
-                holding.discard(j)
-                for s in held[j]:
-                    holders[s] -= 1
-                    if holders[s] == 0:
-                        live -= size[s]
-                        del holders[s]
+                release(i)
 
     # Forward.
     run(forward, _last_reads(graph, forward), set(graph.forward_outputs) | saved_set, False)
