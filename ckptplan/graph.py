@@ -147,6 +147,11 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str
 
+    @classmethod
+    def of(cls, tensor: Any) -> TensorSpec:
+        """A tensor's shape and dtype name (``"float32"`` for ``torch.float32``)."""
+        return cls(shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."))
+
 
 @dataclass(frozen=True)
 class ShardSpec:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -27,6 +27,9 @@ Decision = Literal["store", "recompute", "keep", "remat"]
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+_Schema = TypeVar("_Schema", bound=_Frozen)
 
 
 class InputInfo(_Frozen):
@@ -186,12 +189,7 @@ class Plan(_Frozen):
             )
         if _region_depth(raw.get("regions")) > MAX_REGION_DEPTH:
             raise PlanFormatError(f"Plan regions are nested more than {MAX_REGION_DEPTH} levels deep, which no plan needs.")
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "plan"
-            raise PlanFormatError(f"Plan field '{where}' is invalid: {first['msg']}.") from None
+        return _validated(cls, raw)
 
     def all_regions(self) -> list[Region]:
         return [r for top in self.regions for r in top.walk()]
@@ -254,13 +252,18 @@ def read_plan(text: str | bytes) -> Plan | PartitionPlan:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return Plan.from_json(text)  # which says what is wrong
     if isinstance(raw, dict) and raw.get("schema_version") == PARTITION_SCHEMA_VERSION:
-        try:
-            return PartitionPlan.model_validate(raw)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "plan"
-            raise PlanFormatError(f"Plan field '{where}' is invalid: {first['msg']}.") from None
+        return _validated(PartitionPlan, raw)
     return Plan.from_json(text)
+
+
+def _validated(schema: type[_Schema], raw: dict[str, Any]) -> _Schema:
+    """``raw`` validated as ``schema``; the first problem is a ``PlanFormatError`` naming its field."""
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "plan"
+        raise PlanFormatError(f"Plan field '{where}' is invalid: {first['msg']}.") from None
 
 
 def _region_depth(regions: Any) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 from rich.logging import RichHandler
 
 import ckptplan
@@ -36,7 +37,7 @@ from ckptplan.errors import BudgetError
 from ckptplan.graph import ComputeGraph, ShardSpec
 from ckptplan.joint import JointGraph
 from ckptplan.partition import simulate_partition
-from ckptplan.plan import PartitionPlan, load_any_plan, partition_json_schema, plan_json_schema
+from ckptplan.plan import PartitionPlan, Plan, load_any_plan, partition_json_schema, plan_json_schema
 from ckptplan.planner.io import check_plan_target, save_plan
 from ckptplan.planner.sweep import SweepPoint, check_plotting, plot_pareto, sweep_partitions
 from ckptplan.planner.sweep import sweep as run_sweep
@@ -261,15 +262,7 @@ def solve(
     log.info("solving %s (%d nodes) with %s", graph.name, len(graph.nodes), solver)
     with _solving(graph, solver) as on_progress:
         plan = ckptplan.solve(graph, budget, solver=solver, time_limit=time_limit, remat=remat, progress=on_progress)
-    if out is not None:
-        save_plan(plan, out, overwrite=force)
-    if json_output:
-        _write_stdout(plan.to_json())
-        return
-    console = stderr_console()
-    render_plan(console, plan, costs=costs.value, verbose=verbose)
-    if out is not None:
-        console.print(f"Wrote the plan to {out}", markup=False, soft_wrap=True)
+    _deliver(plan, out, force, json_output, lambda console: render_plan(console, plan, costs=costs.value, verbose=verbose))
 
 
 @app.command()
@@ -567,13 +560,21 @@ def _solve_compiled(
             time_limit=time_limit, outputs_live=outputs_live, roofline=FLOPS if costs == Costs.flops else A100,
         )
     plan = module.ckptplan_plan.to_plan()
+    _deliver(plan, out, force, json_output, lambda console: render_partition(console, plan))
+
+
+def _deliver(
+    plan: Plan | PartitionPlan, out: Path | None, force: bool, json_output: bool, render: Callable[[Console], None]
+) -> None:
+    """What ``solve`` ends with: ``plan`` written to ``out`` (if given), then printed as JSON on
+    stdout (``--json``) or rendered on stderr."""
     if out is not None:
         save_plan(plan, out, overwrite=force)
     if json_output:
         _write_stdout(plan.to_json())
         return
     console = stderr_console()
-    render_partition(console, plan)
+    render(console)
     if out is not None:
         console.print(f"Wrote the plan to {out}", markup=False, soft_wrap=True)
 

@@ -29,7 +29,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from ckptplan.errors import CkptPlanError, FingerprintMismatchError, InfeasibleBudgetError, UnknownSolverError
+from ckptplan.errors import CkptPlanError, FingerprintMismatchError, InfeasibleBudgetError
+from ckptplan.graph import TensorSpec
 from ckptplan.joint import JointGraph
 from ckptplan.partition import PartitionReport, simulate_partition
 from ckptplan.plan import (
@@ -43,7 +44,7 @@ from ckptplan.plan import (
 )
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.joint import dropout_from_masks, is_tangent, read_joint
-from ckptplan.solvers.orchestrate import PARTITION_SOLVERS, solve_partition_step
+from ckptplan.solvers.orchestrate import check_partition_solver, solve_partition_step
 from ckptplan.solvers.partition import Partition, no_recompute
 from ckptplan.units import format_bytes, parse_budget
 
@@ -76,7 +77,7 @@ class CompiledPlan:
     seconds: float = 0.0
     asked: str = "greedy"
     requested: str = ""
-    inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
+    inputs: tuple[TensorSpec, ...] = ()
 
     def to_plan(self) -> PartitionPlan:
         """This partition as a plan file's ``PartitionPlan`` (``ckptplan.plan``)."""
@@ -84,7 +85,7 @@ class CompiledPlan:
         status = {"optimal": "optimal", "infeasible": "infeasible"}.get(self.status, "feasible")
         return PartitionPlan(
             model=ModelInfo(name=graph.name, fingerprint=graph.fingerprint, node_count=len(graph.values),
-                            inputs=tuple(InputInfo(shape=shape, dtype=dtype) for shape, dtype in self.inputs),
+                            inputs=tuple(InputInfo(shape=t.shape, dtype=t.dtype) for t in self.inputs),
                             outputs_live=graph.outputs_live),
             budget=BudgetInfo(requested=self.requested or str(self.budget_bytes), bytes=self.budget_bytes),
             solver=SolverInfo(name=self.asked, status=status, seconds=round(self.seconds, 3), origin=self.solver),
@@ -132,12 +133,12 @@ class Partitioner:
 
     def __init__(
         self, budget: str | float, *, roofline: Roofline, outputs_live: bool, name: str, solver: str = "auto",
-        time_limit: float | None = None,
+        time_limit: float | None = None, follow: PartitionPlan | None = None, inputs: tuple[TensorSpec, ...] = (),
     ) -> None:
         self.budget, self.roofline, self.outputs_live, self.name = budget, roofline, outputs_live, name
         self.solver, self.time_limit = solver, time_limit
-        self.follow: PartitionPlan | None = None  # a plan file's saved set, used instead of solving
-        self.inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
+        self.follow = follow  # a plan file's saved set, used instead of solving
+        self.inputs = inputs  # the step's tensor inputs, for the plan file
         self.plans: list[CompiledPlan] = []
         self.error: CkptPlanError | None = None
 
@@ -343,18 +344,11 @@ def compile(
     if outputs_live is None:
         outputs_live = plan.model.outputs_live if plan is not None else True
     choose_loss_functions(model)
-    if solver not in PARTITION_SOLVERS:
-        raise UnknownSolverError(
-            f"Unknown solver {solver!r} for a compiled step; choose one of: {', '.join(PARTITION_SOLVERS)}."
-        )
+    check_partition_solver(solver)
     partitioner = Partitioner(
         budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__, solver=solver,
-        time_limit=time_limit,
-    )
-    partitioner.follow = plan
-    partitioner.inputs = tuple(
-        (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)
+        time_limit=time_limit, follow=plan,
+        inputs=tuple(TensorSpec.of(t) for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)),
     )
     if backend == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd

@@ -148,11 +148,7 @@ def profile(
         remat_cost=roofline.remat_seconds,
         priced_in=roofline.priced_in,
         priced_on="measured" if measure_times else roofline.source,
-        inputs=tuple(
-            TensorSpec(shape=tuple(x.shape), dtype=str(x.dtype).removeprefix("torch."))
-            for x in traced.flat_inputs
-            if isinstance(x, torch.Tensor)
-        ),
+        inputs=tuple(TensorSpec.of(x) for x in traced.flat_inputs if isinstance(x, torch.Tensor)),
         trace=traced.mode,
         autocast=autocast_name,
         target=target,

@@ -13,7 +13,6 @@ from ckptplan.build import make_plan
 from ckptplan.errors import CkptPlanError, InfeasibleBudgetError, UnknownSolverError
 from ckptplan.graph import ComputeGraph
 from ckptplan.joint import JointGraph
-from ckptplan.partition import simulate_partition
 from ckptplan.plan import BudgetInfo, Plan, SolverInfo
 from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers.context import Progress, SolveContext
@@ -127,9 +126,17 @@ def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> 
 
 # The seconds each compiled-step solver takes when the caller gives no limit: ``auto`` runs the
 # greedy search, then the exact model for the rest of its time; ``exact`` the same for longer;
-# ``greedy`` the greedy search alone (docs/tuning.md, "Compiled steps").
+# ``greedy`` the greedy search alone (docs/tuning.md, "partition_exact").
 PARTITION_SOLVERS = {"auto": 30.0, "exact": 120.0, "greedy": 0.0}
 LEAST_SHARE = 0.5  # of the time left, when the greedy search fits nothing: the exact model at the budget; the rest finds the least peak
+
+
+def check_partition_solver(solver: str) -> None:
+    """``UnknownSolverError`` unless ``solver`` names a compiled-step solver."""
+    if solver not in PARTITION_SOLVERS:
+        raise UnknownSolverError(
+            f"Unknown solver {solver!r} for a compiled step; choose one of: {', '.join(PARTITION_SOLVERS)}."
+        )
 
 
 def solve_partition_step(
@@ -149,10 +156,7 @@ def solve_partition_step(
     found, the least peak found (the exact model's bisection, ``partition_exact.least_partition``,
     lowers the greedy search's), ``feasible`` False. Every partition returned is the simulator's
     report of its saved set."""
-    if solver not in PARTITION_SOLVERS:
-        raise UnknownSolverError(
-            f"Unknown solver {solver!r} for a compiled step; choose one of: {', '.join(PARTITION_SOLVERS)}."
-        )
+    check_partition_solver(solver)
     ctx = SolveContext.limited(time_limit, default=PARTITION_SOLVERS[solver], on_progress=progress)
     ctx.report("greedy")
     found = solve_partition(graph, budget_bytes, starts)
@@ -169,15 +173,14 @@ def solve_partition_step(
         proved = exact.status == "infeasible"
         ctx.report("least peak")
         least, _ = least_partition(graph, ctx, found.report, budget_bytes if proved else graph.static_bytes)
-        if least.peak_bytes < found.report.peak_bytes:
-            found = Partition(report=simulate_partition(graph, least.saved), feasible=False, origin="exact")
+        if least.peak_bytes < found.report.peak_bytes:  # ``least`` is the simulator's report
+            found = Partition(report=least, feasible=False, origin="exact")
         return replace(found, status="infeasible") if proved else found
-    report = simulate_partition(graph, exact.report.saved)
-    if report != exact.report or report.peak_bytes > budget_bytes:
+    report = exact.report  # the simulator's report of its saved set, as the kernel returns only those
+    if report.peak_bytes > budget_bytes:
         raise CkptPlanError(
-            f"The exact partition of {graph.name} is not what the simulator says it is (claimed peak "
-            f"{exact.report.peak_bytes} bytes, simulated {report.peak_bytes}, budget {budget_bytes}); "
-            "this is a bug in ckptplan, please report it."
+            f"The exact partition of {graph.name} peaks at {report.peak_bytes} bytes, over the budget of "
+            f"{budget_bytes}; this is a bug in ckptplan, please report it."
         )
     origin = "greedy" if found.feasible and report.saved == found.report.saved else "exact"
     return Partition(report=report, feasible=True, origin=origin, status=exact.status)

@@ -291,7 +291,9 @@ class _Model:
     # -- rows ----------------------------------------------------------------------------------
 
     def _at_most(self, key: str, var, bound: int, low: int, high: int) -> Literal_:
-        """A literal for ``var <= bound``."""
+        """A literal for ``var <= bound`` (``var`` an int, or a variable within ``low..high``)."""
+        if isinstance(var, int):
+            return int(var <= bound)
         if high <= bound:
             return 1
         if low > bound:
@@ -303,6 +305,10 @@ class _Model:
             self.model.Add(var >= bound + 1).OnlyEnforceIf(b.Not())
             self._cache[cache] = b
         return self._cache[cache]
+
+    def _placed_by(self, j: int, slot: int) -> Literal_:
+        """A literal for: the backward computes ``j`` again in ``slot`` or before it."""
+        return self._at_most("p", self.place[j], slot, *self.place_bounds[j])
 
     def add_row(self, point: tuple) -> None:
         """The memory at ``point`` within the budget: ``("forward", value)``, ``("backward",
@@ -385,9 +391,7 @@ class _Model:
             low, high = self.end_bounds[j]
             if high < time:
                 continue
-            ended = self._at_most("e", self.end[j], time - 1, low, high) if not isinstance(self.end[j], int) else (
-                int(self.end[j] <= time - 1))
-            alive = 1 - ended
+            alive = 1 - self._at_most("e", self.end[j], time - 1, low, high)
             conditions: list[list[Literal_]] = []
             if not (isinstance(self.saved[j], int) and self.saved[j] == 0):
                 conditions.append([self.saved[j], alive])
@@ -397,9 +401,7 @@ class _Model:
                 if j >= at.first:
                     started: Literal_ = int(t <= time)
                 else:
-                    bound = (time - at.rank[j]) // at.width
-                    started = self._at_most("p", self.place[j], bound, *self.place_bounds[j]) if not isinstance(
-                        self.place[j], int) else int(self.place[j] <= bound)
+                    started = self._placed_by(j, (time - at.rank[j]) // at.width)
                 conditions.append([again, started, alive])
             for s in values[j].storages:
                 holds.setdefault(s, []).extend(conditions)
@@ -411,10 +413,7 @@ class _Model:
                 extra.append(workspace * self.again(i))
             elif i in self.place and not isinstance(self.again(i), int):
                 slot = (time - at.rank[i]) // at.width
-                upto = self._at_most("p", self.place[i], slot, *self.place_bounds[i]) if not isinstance(
-                    self.place[i], int) else int(self.place[i] <= slot)
-                before = self._at_most("p", self.place[i], slot - 1, *self.place_bounds[i]) if not isinstance(
-                    self.place[i], int) else int(self.place[i] <= slot - 1)
+                upto, before = self._placed_by(i, slot), self._placed_by(i, slot - 1)
                 here = self.model.NewBoolVar(f"ran{i}@{time}")
                 parts = [self.again(i), upto, 1 - before]
                 self.model.Add(here >= sum(parts) - 2)

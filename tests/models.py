@@ -16,6 +16,17 @@ def mlp(depth: int = 6, width: int = 64) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def norm_mlp(dropout: float = 0.0, *, blocks: int = 4, width: int = 64, hidden: int = 256) -> nn.Sequential:
+    """Pre-norm MLP blocks (layer norm, up-projection, GELU, dropout, down-projection), seeded:
+    the compiled-step tests' model."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[
+        nn.Sequential(nn.LayerNorm(width), nn.Linear(width, hidden), nn.GELU(), nn.Dropout(dropout),
+                      nn.Linear(hidden, width))
+        for _ in range(blocks)
+    ])
+
+
 class DropoutEverywhere(nn.Module):
     """Dropout after every op: recomputation must reproduce every mask."""
 

@@ -16,14 +16,11 @@ from ckptplan.joint import JointGraph, JointValue
 from ckptplan.partition import simulate_partition
 from ckptplan.profiler.loss import training_loss
 from ckptplan.solvers.partition import no_recompute, solve_partition
+from tests import models
 
 
 def _mlp(dropout: float = 0.0) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[
-        nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Dropout(dropout), nn.Linear(256, 64))
-        for _ in range(4)
-    ])
+    return models.norm_mlp(dropout)
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,7 @@ from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.orchestrate import solve_partition_step
 from ckptplan.solvers.partition import no_recompute, solve_partition
 from ckptplan.solvers.partition_exact import LEAST_RESOLUTION, least_partition, solve_partition_exact
+from tests import models
 
 
 def _random_joint(seed: int) -> JointGraph:
@@ -117,11 +118,7 @@ def test_the_least_peak_bisection_ends_near_the_least_there_is(seed: int) -> Non
 
 
 def _mlp(dropout: float = 0.0) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[
-        nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Dropout(dropout), nn.Linear(128, 32))
-        for _ in range(3)
-    ])
+    return models.norm_mlp(dropout, blocks=3, width=32, hidden=128)
 
 
 @pytest.fixture(scope="module")
