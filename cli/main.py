@@ -226,7 +226,9 @@ def solve(
     remat: RematOpt = None,
     time_limit: Annotated[
         float | None,
-        typer.Option(min=0.0, metavar="SECONDS", help="Stop the solver after this long.", show_default=False),
+        typer.Option(min=0.0, metavar="SECONDS", show_default=False,
+                     help="Stop the solver after this long (auto: 10 s by default, 30 s above 600 graph nodes; "
+                          "ilp: 60 s; --compile: auto 30 s, exact 120 s)."),
     ] = None,
     compile_step: Annotated[
         bool,

@@ -28,7 +28,7 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
     won and what was skipped. When none fits, the error states the least peak of a plan one of
     them made (``solvers.least``).
     """
-    ctx = ctx if ctx is not None else SolveContext.limited(default_seconds("auto"))
+    ctx = ctx if ctx is not None else SolveContext.limited(default_seconds("auto", len(graph.nodes)))
     plans: list[Solution] = []
     errors: list[InfeasibleBudgetError] = []
     skipped: list[str] = []

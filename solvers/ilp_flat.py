@@ -216,7 +216,7 @@ def solve_flat(
                "so the refined warm plan")
     elif proof_only and start is not None:
         ctx.report("ilp: proof phase")
-        found, regions = _proof_phase(graph, budget_bytes, start, ctx, seconds=max(0.1, ctx.left()),
+        found, regions = proof_phase(graph, budget_bytes, start, ctx, seconds=max(0.1, ctx.left()),
                                       seed=seed, window=window, bound=0.0, announce=announce)
         status, bound = found.status, found.bound
         blocks_note = next((f" ({p.note})" for p in warm if origin_of(p) == HIERARCHICAL), "")
@@ -231,7 +231,7 @@ def solve_flat(
         left = ctx.left()
         if status == "FEASIBLE" and not ctx.cancelled and left >= tuning.MIN_PROOF_SECONDS:
             ctx.report("ilp: proof phase")
-            proof, regions = _proof_phase(graph, budget_bytes, regions, ctx, seconds=left, seed=seed, window=window,
+            proof, regions = proof_phase(graph, budget_bytes, regions, ctx, seconds=left, seed=seed, window=window,
                                           bound=bound, announce=announce)
             if proof.status == "OPTIMAL":
                 status = "OPTIMAL"
@@ -286,10 +286,10 @@ def _least_plan(
     )
 
 
-def _proof_phase(
+def proof_phase(
     graph: ComputeGraph,
     budget_bytes: int,
-    regions: tuple[Region, ...],
+    regions: tuple[Region, ...] | None,
     ctx: SolveContext,
     *,
     seconds: float,
@@ -297,10 +297,11 @@ def _proof_phase(
     window: int | None,
     bound: float,
     announce: bool,
-) -> tuple[LazyResult, tuple[Region, ...]]:
-    """The lazy search with CP-SAT's portfolio (``proof_workers()``) from ``regions`` for
-    ``seconds``: its result, and the plan it ends with (``regions`` unless it found a strictly
-    cheaper one, which is simplified until ``tuning.SIMPLIFY_GRACE`` of ``seconds`` past them)."""
+) -> tuple[LazyResult, tuple[Region, ...] | None]:
+    """The lazy search with CP-SAT's portfolio (``proof_workers()``) from ``regions`` (None: from
+    no plan) for ``seconds``: its result, and the plan it ends with (``regions`` unless it found a
+    strictly cheaper one, which is simplified until ``tuning.SIMPLIFY_GRACE`` of ``seconds`` past
+    them)."""
     proof = proof_search(graph, budget_bytes, regions, ctx, seconds=seconds, seed=seed, window=window, bound=bound,
                          announce=announce)
     if proof.regions == regions:

@@ -19,6 +19,8 @@ from ckptplan.solvers.context import Progress, SolveContext
 from ckptplan.solvers.edges import at_unit_edges
 from ckptplan.solvers.least import least_plan
 from ckptplan.solvers.partition import Partition, solve_partition
+from ckptplan.solvers.polish import SHARE as POLISH_SHARE
+from ckptplan.solvers.polish import polish, polishes
 from ckptplan.solvers.registry import default_seconds, get_solver
 from ckptplan.solvers.remat_plans import with_remat
 from ckptplan.solvers.solution import Solution, run_kernel
@@ -50,13 +52,18 @@ def solve(
     requested = BudgetInfo(requested=budget if isinstance(budget, str) else repr(budget), bytes=budget_bytes)
     try:
         _refuse_below_state(graph, budget_bytes, solver)
-        ctx = SolveContext.limited(time_limit, default=default_seconds(solver), on_progress=progress)
+        ctx = SolveContext.limited(time_limit, default=default_seconds(solver, len(graph.nodes)), on_progress=progress)
 
         def run(g: ComputeGraph, phase: SolveContext) -> Solution:
             return at_unit_edges(g, run_kernel(kernel, g, budget_bytes, phase), budget_bytes)
 
         remat = solver == "auto" if remat is None else remat
-        found = with_remat(graph, budget_bytes, run, ctx, solver) if remat else run(graph, ctx)
+        if remat:
+            found = with_remat(graph, budget_bytes, run, ctx, solver)
+        elif polishes(graph, solver, ctx.limit):
+            found = polish(graph, budget_bytes, run(graph, ctx.within(ctx.limit * (1 - POLISH_SHARE))), ctx)
+        else:
+            found = run(graph, ctx)
     except InfeasibleBudgetError as exc:
         raise _with_plan(graph, exc) from None
     report = simulate(graph, found.regions, remat=found.remat)

@@ -31,12 +31,14 @@ class Solver(Protocol):
 class _Entry:
     module: str  # where the function lives, imported on first use
     function: str
-    default_seconds: float  # its time when the caller gives no limit (inf: until it is done)
+    default_seconds: float  # its time when the caller gives no limit (inf: until it is done) ...
+    large_seconds: float | None = None  # ... on graphs of more than LARGE_NODES nodes, if another
 
 
 # ``auto``'s and ``ilp``'s defaults: see ``docs/tuning.md`` ("Default time limits").
+LARGE_NODES = 600
 _BUILTIN: dict[str, _Entry] = {
-    "auto": _Entry("ckptplan.solvers.auto", "solve_auto", 30.0),
+    "auto": _Entry("ckptplan.solvers.auto", "solve_auto", 10.0, large_seconds=30.0),
     "dp": _Entry("ckptplan.solvers.dp", "solve_dp", math.inf),
     "ilp": _Entry("ckptplan.solvers.ilp", "solve_ilp", 60.0),
     "sqrt": _Entry("ckptplan.solvers.sqrt", "solve_sqrt", math.inf),
@@ -68,10 +70,12 @@ def get_solver(name: str) -> Solver:
         raise UnknownSolverError(f"Unknown solver {name!r}; choose one of: {known}.") from None
 
 
-def default_seconds(name: str) -> float:
-    """The time solver ``name`` takes when the caller gives no limit."""
+def default_seconds(name: str, nodes: int = 0) -> float:
+    """The time solver ``name`` takes on a graph of ``nodes`` nodes when the caller gives no limit."""
     entry = _BUILTIN.get(name)
-    return entry.default_seconds if entry is not None else math.inf
+    if entry is None:
+        return math.inf
+    return entry.large_seconds if entry.large_seconds is not None and nodes > LARGE_NODES else entry.default_seconds
 
 
 def available_solvers() -> list[str]:

@@ -14,12 +14,14 @@ from ckptplan.simulation import build_region_tree, simulate
 from ckptplan.solvers import remat_ilp
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.least import least_of
+from ckptplan.solvers.polish import SHARE as POLISH_SHARE
+from ckptplan.solvers.polish import polish, polishes
 from ckptplan.solvers.solution import Solution, solution
 
 log = logging.getLogger(__name__)
 
-PLAIN_SHARE = 0.4  # of with_remat's time limit: the plain solve, when the joint search follows
-JOINT_SHARE = 0.3  # and the joint search
+PLAIN_SHARE = 0.4  # with the joint search: the plain solve's part, to 1 - PLAIN_SHARE - JOINT_SHARE for the other solve
+JOINT_SHARE = 0.3  # of with_remat's time limit: the joint search
 SHED_SIMULATED_NODES = 20_000  # shed_remat simulates at most this many nodes' worth of plans (and 8 plans)
 
 
@@ -40,16 +42,22 @@ def with_remat(
       (``remat.Remat.graph``), less those its regions contain or store as inputs (they would
       free nothing) and those ``shed_remat`` finds the plan fits without, if the simulator
       confirms it fits once savers inside its regions are left to them;
+    * for ``auto`` on graphs the whole CP-SAT model suits (``polish.polishes``), CP-SAT's
+      portfolio from the plain plan on ``graph`` and from the rematerialised graph's plan there,
+      the cheaper first, each until half of the time left has passed (``polish.polish``);
     * for ``auto`` and ``ilp`` when the graph is small enough and the time allows
       (``remat_ilp.affordable``), then the joint model's neighbourhood search from the cheapest
       of these (``remat_ilp.search_with_remat``), which chooses regions and rematerialisation
       together.
 
-    ``ctx.limit`` is shared: ``PLAIN_SHARE`` for the plain solve and ``JOINT_SHARE`` for the
-    neighbourhood search when it runs, the rest for the solve on the rematerialised graph (half
-    each without the search); each ends by its share's end, the search by ``ctx``'s deadline.
+    ``ctx.limit`` is shared: ``JOINT_SHARE`` for the neighbourhood search at the end when it
+    runs; of the rest, ``polish.SHARE`` for the portfolio searches when they run, which also
+    take what the solves before them leave; the remainder goes to the plain solve and the
+    solve on the rematerialised graph (``PLAIN_SHARE`` to ``1 - PLAIN_SHARE - JOINT_SHARE``
+    with the neighbourhood search, half each without it). Each solve ends by its share's end,
+    the searches by ``ctx``'s deadline (less the neighbourhood search's share).
     ``solver`` names what ``run`` runs, for the notes and the search. A Ctrl-C that stopped the
-    plain solve's ``ilp`` skips the later solve and the search. When neither fits, the least
+    plain solve's ``ilp`` skips the later solve and the searches. When neither fits, the least
     peak of the plans either made (``solvers.least``), each simulated on ``graph``."""
     limit = ctx.limit
     order = _remat.by_price(graph)
@@ -57,11 +65,16 @@ def with_remat(
     alone = bool(order) and simulate(graph, (), remat=names).peak_bytes <= budget_bytes
     both = bool(order) and not alone
     joint = solver in ("auto", "ilp") and remat_ilp.affordable(graph, limit * JOINT_SHARE)
-    plain_share = (PLAIN_SHARE if joint else 0.5) if both or joint else 1.0
+    polishing = polishes(graph, solver, limit)
+    reserve = limit * JOINT_SHARE if joint else 0.0  # the joint search's, at the end
+    solves = (limit - reserve) * (1 - POLISH_SHARE) if polishing else limit - reserve  # the two solves'
+    plain_seconds = solves * ((PLAIN_SHARE / (1 - JOINT_SHARE) if joint else 0.5) if both or joint else 1.0)
     plans: list[Solution] = []
     errors: list[InfeasibleBudgetError] = []
+    plain = None  # the plain solve's plan
     try:
-        plans.append(run(graph, ctx.within(limit * plain_share)))
+        plain = run(graph, ctx.within(plain_seconds))
+        plans.append(plain)
     except InfeasibleBudgetError as exc:
         errors.append(exc)
     if alone:
@@ -75,30 +88,50 @@ def with_remat(
         chose = "auto chose remat: " if solver == "auto" else ""
         note = f"{chose}no regions, rematerialises {fits} of {len(names)} candidates, the fewest that fit"
         plans.append(solution(graph, (), "remat", note=note, remat=names[:fits]))
-    elif both and not ctx.cancelled:
+    rematerialised = _remat.Remat(graph, order, ()) if both else None
+
+    def onto(found: Solution) -> Solution:
+        """A plan of the rematerialised graph's as one of ``graph``'s: its regions, rematerialising
+        the candidates beside them that it needs (``shed_remat``)."""
+        kept = shed_remat(graph, found.regions, _beside(graph, order, found.regions), budget_bytes)
+        note = f"{found.note}; rematerialises {len(kept)} nodes".lstrip("; ")
+        return found.resimulated(graph, found.regions, [graph.nodes[x].name for x in kept], note=note)
+
+    from_rematerialised = None  # the rematerialised graph's plan, on ``graph``
+    if rematerialised is not None and not ctx.cancelled:
         log.info("remat: solving again with %d cheap ops rematerialised (dropped after forward, recomputed in backward)",
                  len(order))
-        rematerialised = _remat.Remat(graph, order, ())
         ctx.report(f"{solver or 'solve'} with {len(order)} ops rematerialised")
-        share = limit * (1 - plain_share - (JOINT_SHARE if joint else 0.0))
         try:
-            shrunk = run(rematerialised.graph, ctx.within(share).unscored())
+            shrunk = run(rematerialised.graph, ctx.within(solves - plain_seconds).unscored())
         except CkptPlanError as exc:  # infeasible, or out of time: the plain plan stands
             if isinstance(exc, InfeasibleBudgetError):
                 errors.append(_on_graph(graph, exc, order))
         else:
-            kept = shed_remat(graph, shrunk.regions, _beside(graph, order, shrunk.regions), budget_bytes)
-            note = f"{shrunk.note}; rematerialises {len(kept)} nodes".lstrip("; ")
-            plan = shrunk.resimulated(graph, shrunk.regions, [graph.nodes[x].name for x in kept], note=note)
+            plan = onto(shrunk)
             if plan.peak_bytes <= budget_bytes:
                 plans.append(plan)
+                from_rematerialised = plan
                 ctx.report(cost_seconds=plan.cost_seconds, peak_bytes=plan.peak_bytes)
     if not plans:
         plans.append(least_of(errors, budget_bytes, "No plan fits"))
     best = min(plans, key=lambda p: (p.cost_seconds, p.peak_bytes))
+    if polishing:
+        # Each graph's plan gets its portfolio search, the cheaper first, each half the time left
+        # (docs/tuning.md, "polish"): which graph's search ends cheaper differs by model.
+        starts = sorted((p for p in (plain, from_rematerialised) if p is not None), key=lambda p: p.cost_seconds)
+        for k, start in enumerate(starts):
+            phase = ctx.before(reserve)
+            phase = phase.within(phase.left() / (len(starts) - k))
+            if start is from_rematerialised:
+                found = polish(graph, budget_bytes, start, phase, solved_on=rematerialised.graph, onto=onto)
+            else:
+                found = polish(graph, budget_bytes, start, phase)
+            if (found.cost_seconds, found.status != "optimal") < (best.cost_seconds, best.status != "optimal"):
+                best = found
     if joint and best.cost_seconds > 0 and not ctx.cancelled:
         ctx.report("joint search of regions and rematerialisation")
-        found = remat_ilp.search_with_remat(graph, budget_bytes, best, ctx.sized(limit * JOINT_SHARE))
+        found = remat_ilp.search_with_remat(graph, budget_bytes, best, ctx.sized(reserve))
         if found is not None:
             chose = "auto chose ilp: " if solver == "auto" else ""
             best = found.but(note=chose + found.note)

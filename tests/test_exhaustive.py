@@ -4,7 +4,8 @@ the least peak the space reaches to the unplanned peak:
 
 * a plan that reports ``status == "optimal"`` costs exactly the least that any plan of the
   space it claims to be optimal over costs within the budget (``ilp``: one-level regions with
-  every keep-set, ``solvers.ilp_model``; ``dp`` on a chain of one-node stages: nested regions
+  every keep-set, ``solvers.ilp_model``, which ``auto``'s portfolio phase, ``solvers.polish``,
+  proves its plans optimal over too; ``dp`` on a chain of one-node stages: nested regions
   without keep-sets, ``solvers.dp``);
 * every plan fits, its prediction is what ``simulate`` says of it, and the cost it predicts is
   never below the least of an enumerated space that holds it (which would mean a solver and the
@@ -27,15 +28,33 @@ from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.dp import solve_dp
 from ckptplan.solvers.ilp import solve_ilp
 from ckptplan.solvers.ilp_model import keepable
+from ckptplan.solvers.polish import polish
+from ckptplan.solvers.solution import Solution
 from ckptplan.solvers.sqrt import solve_sqrt
 from tests.plan_spaces import nested_region_sets, one_level_plans
 from tests.synthetic import RESIDUAL_LAYOUT, UNET_LAYOUT, chain_graph, layout_graph
+
+
+def _polished(graph: ComputeGraph, budget: int) -> Solution:
+    """``auto``'s last phase (the CP-SAT portfolio) from the cheaper of ``sqrt``'s and ``dp``'s
+    plans: from nothing when that is nested, else from its regions."""
+    starts, errors = [], []
+    for kernel in (solve_sqrt, solve_dp):
+        try:
+            starts.append(kernel(graph, budget))
+        except InfeasibleBudgetError as error:
+            errors.append(error)
+    if not starts:
+        raise min(errors, key=lambda error: error.min_peak_bytes)
+    return polish(graph, budget, min(starts, key=lambda p: p.cost_seconds), SolveContext.limited(20))
+
 
 SOLVERS: dict[str, Callable[[ComputeGraph, int], Plan]] = {
     "sqrt": solve_sqrt,
     "dp": solve_dp,
     "ilp": lambda graph, budget: solve_ilp(graph, budget, SolveContext.limited(60)),
     "auto": lambda graph, budget: solve_auto(graph, budget, SolveContext.limited(60)),
+    "polish": _polished,
 }
 
 

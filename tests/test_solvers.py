@@ -130,7 +130,8 @@ def test_auto_picks_the_only_solver_that_fits(monkeypatch: pytest.MonkeyPatch) -
     assert peak < least_peak("bulge6", "sqrt")
     monkeypatch.setitem(registry._USER, "aaa_fixed", _fixed_solver(regions, least_peak_bytes=peak))
     plan = solve(graph, peak, solver="auto")
-    assert plan.solver.name == "aaa_fixed" and plan.regions == regions
+    # auto's portfolio phase may prove the plan optimal: then ilp claims it, its origin kept
+    assert plan.regions == regions and "aaa_fixed" in (plan.solver.name, plan.solver.origin)
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(graph, peak - 1, solver="auto")
     assert info.value.min_peak_bytes == peak

@@ -1,0 +1,84 @@
+"""The last phase of ``auto`` on graphs the whole CP-SAT model suits: CP-SAT's portfolio from the
+cheapest plan the reproducible phases made, until the solve's deadline.
+
+The reproducible phases (``sqrt``, ``dp``, the block policies, the one-worker search on CP-SAT's
+deterministic clock) are sized from the limit asked for and so, at short limits, end early with
+plans the portfolio improves on within seconds: its LP-based workers and neighbourhood workers
+search the whole model at once where the one worker sweeps a window at a time. So ``auto`` gives
+them ``1 - SHARE`` of its limit and this phase the rest, with whatever time they left unused
+(docs/tuning.md, "polish"). The portfolio is not deterministic: the plan it finds can differ from
+run to run (it is taken only when it costs strictly less than the reproducible one, and at equal
+cost when both are proven optimal).
+
+The search runs on the graph the cheapest plan was solved on: the model's own, or the one where
+cheap ops are rematerialised (``remat_plans.with_remat``), whose regions then rematerialise on
+the model's graph what they need (``remat_plans.shed_remat``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ckptplan.graph import ComputeGraph
+from ckptplan.solvers import ilp_tuning as tuning
+from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.solution import Solution
+
+SHARE = 0.5  # of the time before the joint search (``remat_plans.JOINT_SHARE``): this phase's, at least
+MIN_SECONDS = 1.0  # the least time worth starting the portfolio for (its model's build comes first)
+
+
+def polishes(graph: ComputeGraph, solver: str, limit: float) -> bool:
+    """Whether a solve by ``solver`` with ``limit`` seconds ends with this phase on ``graph``:
+    ``auto`` on graphs of at most ``ilp_tuning.FLAT_MAX_NODES`` nodes (larger ones are searched
+    block by block, where the whole model's portfolio finds little in seconds), with a finite
+    limit whose share is at least ``MIN_SECONDS``."""
+    return (solver == "auto" and len(graph.nodes) <= tuning.FLAT_MAX_NODES and math.isfinite(limit)
+            and limit * SHARE >= MIN_SECONDS)
+
+
+def polish(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    best: Solution,
+    ctx: SolveContext,
+    *,
+    solved_on: ComputeGraph | None = None,
+    onto: Callable[[Solution], Solution] | None = None,
+) -> Solution:
+    """The portfolio search (``ilp_flat.proof_phase``) from ``best`` (its regions when they are
+    one level, else from nothing) until ``ctx``'s deadline; ``best`` unless it finds a plan that
+    fits ``budget_bytes`` and costs strictly less, or proves ``best`` optimal among ``ilp``'s
+    one-level plans (then ``best`` says so, as ``ilp``'s, its regions' origin kept). ``solved_on``: the graph ``best``'s regions were solved on (None:
+    ``graph``), whose plans ``onto`` makes plans of ``graph`` (rematerialising what they need).
+    Ctrl-C ends the search with the best plan so far."""
+    from ckptplan.solvers.ilp_flat import proof_phase  # imports ortools
+
+    if ctx.over() or ctx.left() < MIN_SECONDS or best.cost_seconds <= 0:
+        return best
+    own = solved_on is None
+    searched = graph if own else solved_on
+    one_level = all(not region.children for region in best.regions) and not (own and best.remat)
+    start = best.regions if one_level else None
+    phase = ctx if own else ctx.unscored()
+    phase.report("portfolio search" + ("" if own else " with cheap ops rematerialised"))
+    found, regions = proof_phase(searched, budget_bytes, start, phase, seconds=ctx.left(), seed=0, window=None,
+                                 bound=0.0, announce=False)
+    how = f"then CP-SAT's portfolio for the time left: {found.describe()}"
+    if regions is None or regions == start:
+        if found.status == "OPTIMAL" and start is not None and own:  # proven by the model of ``ilp``'s plans
+            return best.but(solver="ilp", status="optimal", gap=0.0, origin=best.origin or best.solver,
+                            note=f"{best.note}; {how}, proven optimal".lstrip("; "))
+        return best
+    bare = Solution(regions=regions, report=best.report, solver="ilp")
+    plan = bare.resimulated(graph, regions) if own or onto is None else onto(bare)
+    if plan.peak_bytes > budget_bytes or plan.cost_seconds >= best.cost_seconds:
+        return best
+    proven = found.status == "OPTIMAL" and own
+    chose = "auto chose ilp: " if best.note.startswith("auto chose") else ""
+    where = "" if own else " on the graph with cheap ops rematerialised"
+    note = (f"{chose}one-level regions with keep-sets{where}, from the {best.solver} plan costing "
+            f"{best.cost_seconds * 1e3:.3g} ms; {how}" + (f"; {plan.note}" if plan.note else ""))
+    ctx.report(cost_seconds=plan.cost_seconds, peak_bytes=plan.peak_bytes)
+    return plan.but(solver="ilp", status="optimal" if proven else "feasible", gap=0.0 if proven else None,
+                    note=note, origin=None)

@@ -1,0 +1,108 @@
+"""``auto``'s last phase, CP-SAT's portfolio from the reproducible phases' cheapest plan
+(``solvers.polish``): when it runs, that it only ever returns a cheaper plan the simulator
+confirms within the budget, from one-level and nested starts and from the graph with cheap ops
+rematerialised. (Its ``optimal`` claims are checked against every plan of small graphs in
+``tests/test_exhaustive.py``.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import ckptplan
+from ckptplan.simulation import baseline_peak_bytes, simulate
+from ckptplan.solvers import ilp_tuning, polish, remat_plans
+from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.dp import solve_dp
+from ckptplan.solvers.registry import LARGE_NODES, default_seconds
+from ckptplan.solvers.sqrt import solve_sqrt
+from tests.conftest import load_example
+from tests.synthetic import chain_graph
+
+
+@pytest.fixture(scope="module")
+def gpt() -> ckptplan.ComputeGraph:
+    model, args = load_example("gpt").build(batch=2, seq=64)
+    return ckptplan.profile(model, args)
+
+
+def test_auto_polishes_graphs_the_whole_model_suits_with_time_for_it() -> None:
+    small, large = chain_graph([64] * 6), chain_graph([64] * (ilp_tuning.FLAT_MAX_NODES + 1))
+    assert polish.polishes(small, "auto", 10.0)
+    assert not polish.polishes(small, "ilp", 10.0)  # ilp keeps its own proof phase
+    assert not polish.polishes(small, "auto", math.inf)  # no deadline to stop it
+    assert not polish.polishes(small, "auto", 2 * polish.MIN_SECONDS * 0.9)
+    assert not polish.polishes(large, "auto", 60.0)  # searched block by block
+
+
+def test_the_default_limit_is_seconds_up_to_600_nodes() -> None:
+    assert default_seconds("auto", LARGE_NODES) == 10.0
+    assert default_seconds("auto", LARGE_NODES + 1) == 30.0
+    assert default_seconds("ilp", 50) == 60.0 and default_seconds("dp", 50) == math.inf
+
+
+@pytest.mark.parametrize("start", ["sqrt", "dp"])
+def test_the_portfolio_returns_a_cheaper_plan_that_fits_or_its_start(gpt, start: str) -> None:
+    """From ``sqrt``'s one-level plan (a hint) and from ``dp``'s (nested here, so from nothing):
+    the plan returned fits, is what the simulator says of it, and never costs more."""
+    budget = int(0.8 * baseline_peak_bytes(gpt))
+    begin = (solve_sqrt if start == "sqrt" else solve_dp)(gpt, budget)
+    found = polish.polish(gpt, budget, begin, SolveContext.limited(4))
+    report = simulate(gpt, found.regions, remat=found.remat)
+    assert report.peak_bytes == found.peak_bytes <= budget
+    assert report.cost_seconds == pytest.approx(found.cost_seconds, rel=1e-12)
+    assert found.cost_seconds <= begin.cost_seconds
+    if found is not begin:
+        assert found.solver == "ilp" and all(not region.children for region in found.regions)
+        assert "portfolio" in found.note
+
+
+def test_auto_ends_no_dearer_than_its_reproducible_phases(gpt, monkeypatch) -> None:
+    """The same solve with the portfolio phase left out (everything else as it was) never
+    returns a cheaper plan, and the plan ``auto`` returns is the simulator's within budget,
+    rematerialisation included."""
+    budget = int(0.8 * baseline_peak_bytes(gpt))
+    plan = ckptplan.solve(gpt, budget, time_limit=6)
+    assert simulate(gpt, plan).peak_bytes == plan.prediction.peak_bytes <= budget
+    monkeypatch.setattr(remat_plans, "polish", lambda graph, budget_bytes, best, ctx, **_: best)
+    without = ckptplan.solve(gpt, budget, time_limit=6)
+    assert plan.prediction.cost_seconds <= without.prediction.cost_seconds
+
+
+def test_a_plan_of_the_rematerialised_graph_comes_back_rematerialising_what_it_needs(gpt) -> None:
+    """Polished on the graph where every candidate is rematerialised, the plan returned is one of
+    the model's graph that rematerialises only candidates, fits and costs no more."""
+    from ckptplan import remat
+
+    order = remat.by_price(gpt)
+    rematerialised = remat.Remat(gpt, order, ())
+
+    def onto(found, budget):
+        kept = remat_plans.shed_remat(gpt, found.regions, remat_plans._beside(gpt, order, found.regions), budget)
+        return found.resimulated(gpt, found.regions, [gpt.nodes[x].name for x in kept])
+
+    # the first budget where sqrt's plan of the rematerialised graph fits the model's graph
+    for fraction in (0.8, 0.7, 0.9, 0.6):
+        budget = int(fraction * baseline_peak_bytes(gpt))
+        try:
+            begin = onto(solve_sqrt(rematerialised.graph, budget), budget)
+        except ckptplan.InfeasibleBudgetError:
+            continue
+        if begin.peak_bytes <= budget:
+            break
+    assert begin.peak_bytes <= budget and begin.remat
+    found = polish.polish(gpt, budget, begin, SolveContext.limited(4), solved_on=rematerialised.graph,
+                          onto=lambda plan: onto(plan, budget))
+    assert found.peak_bytes == simulate(gpt, found.regions, remat=found.remat).peak_bytes <= budget
+    assert set(found.remat) <= {gpt.nodes[x].name for x in order}
+    assert found.cost_seconds <= begin.cost_seconds
+
+
+def test_ctrl_c_before_the_portfolio_keeps_the_plan_made(gpt) -> None:
+    budget = int(0.8 * baseline_peak_bytes(gpt))
+    begin = solve_sqrt(gpt, budget)
+    ctx = SolveContext.limited(4)
+    ctx.cancel.set()
+    assert polish.polish(gpt, budget, begin, ctx) is begin
+
