@@ -1,18 +1,18 @@
 """The last phase of ``auto`` on graphs the whole CP-SAT model suits: CP-SAT's portfolio from the
-cheapest plan the reproducible phases made, until the solve's deadline.
+plans the phases before it made, until the solve's deadline.
 
-The reproducible phases (``sqrt``, ``dp``, the block policies, the one-worker search on CP-SAT's
-deterministic clock) are sized from the limit asked for and so, at short limits, end early with
-plans the portfolio improves on within seconds: its LP-based workers and neighbourhood workers
-search the whole model at once where the one worker sweeps a window at a time. So ``auto`` gives
-them ``1 - SHARE`` of its limit and this phase the rest, with whatever time they left unused
-(docs/tuning.md, "polish"). The portfolio is not deterministic: the plan it finds can differ from
-run to run (it is taken only when it costs strictly less than the reproducible one, and at equal
-cost when both are proven optimal).
+The phases before it make starts only, sized from the limit asked for so that the same limit
+gives the same starts: ``sqrt``, ``dp``, and ``ilp``'s block-by-block plan and refined warm plans
+(``ilp.solve_ilp(search=False)``), on the model's graph and on the graph with cheap ops
+rematerialised (``remat_plans.with_remat``), in ``1 - SHARE`` of the limit. This phase takes the
+rest, with the time they leave unused: from a good start the portfolio's LP-based and
+neighbourhood workers find and often prove the optimum of the whole model within seconds,
+where ``ilp``'s one-worker search sweeps it a window at a time (docs/tuning.md, "polish").
+The portfolio is not deterministic: its plan can differ from run to run, is taken only when it
+costs strictly less than its start, and costs the same on every run that proves it optimal.
 
-The search runs on the graph the cheapest plan was solved on: the model's own, or the one where
-cheap ops are rematerialised (``remat_plans.with_remat``), whose regions then rematerialise on
-the model's graph what they need (``remat_plans.shed_remat``)."""
+A plan of the rematerialised graph is searched on that graph, and its regions then
+rematerialise on the model's graph what they need (``remat_plans.shed_remat``)."""
 
 from __future__ import annotations
 
@@ -24,17 +24,18 @@ from ckptplan.solvers import ilp_tuning as tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.solution import Solution
 
-SHARE = 0.5  # of the time before the joint search (``remat_plans.JOINT_SHARE``): this phase's, at least
+SHARE = 0.3  # of the time before the joint search (``remat_plans.JOINT_SHARE``): this phase's, at least
 MIN_SECONDS = 1.0  # the least time worth starting the portfolio for (its model's build comes first)
+MIN_LIMIT = 2.0  # the least limit of a solve that ends with this phase
 
 
 def polishes(graph: ComputeGraph, solver: str, limit: float) -> bool:
     """Whether a solve by ``solver`` with ``limit`` seconds ends with this phase on ``graph``:
     ``auto`` on graphs of at most ``ilp_tuning.FLAT_MAX_NODES`` nodes (larger ones are searched
     block by block, where the whole model's portfolio finds little in seconds), with a finite
-    limit whose share is at least ``MIN_SECONDS``."""
+    limit of at least ``MIN_LIMIT``."""
     return (solver == "auto" and len(graph.nodes) <= tuning.FLAT_MAX_NODES and math.isfinite(limit)
-            and limit * SHARE >= MIN_SECONDS)
+            and limit >= MIN_LIMIT)
 
 
 def polish(
@@ -64,21 +65,30 @@ def polish(
     phase.report("portfolio search" + ("" if own else " with cheap ops rematerialised"))
     found, regions = proof_phase(searched, budget_bytes, start, phase, seconds=ctx.left(), seed=0, window=None,
                                  bound=0.0, announce=False)
-    how = f"then CP-SAT's portfolio for the time left: {found.describe()}"
+    portfolio = f"CP-SAT's portfolio for the time left ({found.describe()})"
     if regions is None or regions == start:
         if found.status == "OPTIMAL" and start is not None and own:  # proven by the model of ``ilp``'s plans
+            chose, note = _chosen(best.note)
             return best.but(solver="ilp", status="optimal", gap=0.0, origin=best.origin or best.solver,
-                            note=f"{best.note}; {how}, proven optimal".lstrip("; "))
+                            note=f"{chose}the {best.solver} plan ({note}), proven optimal by {portfolio}")
         return best
     bare = Solution(regions=regions, report=best.report, solver="ilp")
     plan = bare.resimulated(graph, regions) if own or onto is None else onto(bare)
     if plan.peak_bytes > budget_bytes or plan.cost_seconds >= best.cost_seconds:
         return best
     proven = found.status == "OPTIMAL" and own
-    chose = "auto chose ilp: " if best.note.startswith("auto chose") else ""
+    chose, _ = _chosen(best.note)
     where = "" if own else " on the graph with cheap ops rematerialised"
     note = (f"{chose}one-level regions with keep-sets{where}, from the {best.solver} plan costing "
-            f"{best.cost_seconds * 1e3:.3g} ms; {how}" + (f"; {plan.note}" if plan.note else ""))
+            f"{best.cost_seconds * 1e3:.3g} ms, then {portfolio}" + (f"; {plan.note}" if plan.note else ""))
     ctx.report(cost_seconds=plan.cost_seconds, peak_bytes=plan.peak_bytes)
     return plan.but(solver="ilp", status="optimal" if proven else "feasible", gap=0.0 if proven else None,
                     note=note, origin=None)
+
+
+def _chosen(note: str) -> tuple[str, str]:
+    """``("auto chose ilp: ", the rest)`` when ``note`` is ``auto``'s (``"auto chose <solver>: ..."``),
+    else ``("", note)``: the plans this phase returns are ``ilp``'s."""
+    if not note.startswith("auto chose "):
+        return "", note
+    return "auto chose ilp: ", note.split(": ", 1)[1] if ": " in note else note
