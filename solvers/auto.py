@@ -17,8 +17,7 @@ from ckptplan.solvers.registry import available_solvers, default_seconds, get_so
 from ckptplan.solvers.solution import Solution, run_kernel
 
 
-def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None = None, *,
-               search: bool = True) -> Solution:
+def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None = None) -> Solution:
     """Run the solvers that suit the graph and keep the cheapest plan the simulator confirms.
 
     ``sqrt`` always runs, ``dp`` too except on graphs ``ilp`` solves block by block (its chain
@@ -27,9 +26,7 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
     their plans, so it can only improve on them, until ``ctx``'s deadline (None: ``auto``'s
     default limit from now). Solvers registered by users run too. The plan records which solver
     won and what was skipped. When none fits, the error states the least peak of a plan one of
-    them made (``solvers.least``). ``search=False``: ``ilp`` makes its starts only (its
-    block-by-block plan, sized by the whole limit), for the portfolio that follows
-    (``solvers.polish``).
+    them made (``solvers.least``).
     """
     ctx = ctx if ctx is not None else SolveContext.limited(default_seconds("auto", len(graph.nodes)))
     plans: list[Solution] = []
@@ -56,7 +53,7 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
         attempt(name, get_solver(name))
     if len(graph.nodes) <= tuning.FLAT_MAX_NODES or by_blocks:
         warm = [p for p in plans if p.solver in WARM_SOLVERS]
-        attempt("ilp", lambda g, b, c: ilp.solve_ilp(g, b, c, warm=warm, search=search))
+        attempt("ilp", lambda g, b, c: ilp.solve_ilp(g, b, c, warm=warm))
     else:
         skipped.append(f"ilp skipped: {len(graph.nodes)} nodes > {tuning.FLAT_MAX_NODES} and no repeated blocks")
     if not plans:

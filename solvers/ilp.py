@@ -34,7 +34,6 @@ from ckptplan.solvers.ilp_flat import (
     HIERARCHICAL,
     origin_of,
     solve_flat,
-    starting_plan,
     warm_plans,
     warm_solvers,
 )
@@ -57,7 +56,6 @@ def solve_ilp(
     seed: int = 0,
     window: int | None = None,
     warm: Sequence[Solution] | None = None,
-    search: bool = True,
 ) -> Solution:
     """The least-recompute one-level plan with keep-sets whose simulated peak fits ``budget_bytes``.
 
@@ -76,19 +74,13 @@ def solve_ilp(
     none was made yet): during a CP-SAT search that search ends with its best plan, and before
     one the phases left are skipped. ``ctx.limit`` sizes the phases; they end by ``ctx.deadline``
     (None: ``DEFAULT_TIME_LIMIT`` from now).
-
-    ``search=False``: only the starts, for a caller that searches from them itself (``auto``'s
-    portfolio, ``solvers.polish``): the block-by-block plan, sized by the whole limit, and the
-    warm plans, refined; the cheapest of them, or, when none fits, the search for the least peak
-    as with ``search=True``.
     """
     ctx = ctx if ctx is not None else SolveContext.limited(DEFAULT_TIME_LIMIT)
     made = list(warm or ())  # every plan made so far that fits the budget
     try:
         log.info("ilp: %d nodes, up to %.0f s; Ctrl-C stops early and keeps the best plan so far", len(graph.nodes),
                  min(ctx.limit, ctx.left()))
-        return _solve_ilp(graph, budget_bytes, made, ctx, workers=workers, seed=seed, window=window, warm=warm,
-                          search=search)
+        return _solve_ilp(graph, budget_bytes, made, ctx, workers=workers, seed=seed, window=window, warm=warm)
     except KeyboardInterrupt:
         ctx.cancel.set()
         return _interrupted(graph, budget_bytes, made, ctx)
@@ -104,7 +96,6 @@ def _solve_ilp(
     seed: int,
     window: int | None,
     warm: Sequence[Solution] | None,
-    search: bool = True,
 ) -> Solution:
     """``solve_ilp``'s phases, each plan they make added to ``made`` (which starts as ``warm``);
     a Ctrl-C that a CP-SAT search of the block-by-block phase took (``ctx.cancel``) raises
@@ -120,7 +111,7 @@ def _solve_ilp(
         if plan is not None:
             made.append(plan)
             return keep_more(graph, plan, budget_bytes, ctx)
-    share = blocks_share(graph, limit) if search else 1.0
+    share = blocks_share(graph, limit)
     try:
         by_blocks = solve_hierarchical(graph, budget_bytes, ctx.within(limit * share), warm=())
     except InfeasibleBudgetError:
@@ -132,11 +123,9 @@ def _solve_ilp(
         made.append(by_blocks)
     if ctx.cancelled:  # a CP-SAT search of the block-by-block phase took a Ctrl-C
         raise KeyboardInterrupt
-    if not search and made:
-        return _starts(graph, budget_bytes, made, limit)
     try:
         return solve_flat(  # starts from every plan made: the warm ones, then the block-by-block one
-            graph, budget_bytes, ctx, search_seconds=limit * (1 - share) if search else limit, workers=workers, seed=seed,
+            graph, budget_bytes, ctx, search_seconds=limit * (1 - share), workers=workers, seed=seed,
             window=window, warm=made, proof_only=provable and by_blocks is not None,
         )
     except InfeasibleBudgetError as exc:
@@ -146,21 +135,6 @@ def _solve_ilp(
         if not any(e.min_peak_bytes < exc.min_peak_bytes for e in leasts):
             raise
         return least_of([exc, *leasts], budget_bytes, "No ilp plan fits")
-
-
-def _starts(graph: ComputeGraph, budget_bytes: int, made: list[Solution], limit: float) -> Solution:
-    """The cheapest of ``made`` and of the one-level plan ``starting_plan`` refines from them
-    (``tuning.REFINE_SHARE`` of ``limit`` in moves), as ``ilp``'s plan without a search."""
-    moves = Moves(int(max(tuning.REFINE_MIN_SECONDS, limit * tuning.REFINE_SHARE)
-                      / (tuning.SIMULATE_SECONDS_PER_NODE * len(graph.nodes))))
-    best = min(made, key=lambda p: p.cost_seconds)
-    start = starting_plan(graph, made, budget_bytes, moves=moves)
-    if start is not None:
-        refined = solution(graph, start, "ilp", note="no search: the cheapest warm plan, refined")
-        if refined.cost_seconds < best.cost_seconds:
-            return refined
-    return best.but(solver="ilp", status="feasible", gap=None, origin=origin_of(best),
-                    note=f"no search: the cheapest start, the {origin_of(best)} plan ({best.note})")
 
 
 def _interrupted(graph: ComputeGraph, budget_bytes: int, made: list[Solution], ctx: SolveContext) -> Solution:

@@ -5,7 +5,6 @@ returning a ``Solution`` (regions, remat, the simulator's report and where they 
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -55,17 +54,13 @@ def solve(
         _refuse_below_state(graph, budget_bytes, solver)
         ctx = SolveContext.limited(time_limit, default=default_seconds(solver, len(graph.nodes)), on_progress=progress)
 
-        polishing = polishes(graph, solver, ctx.limit)
-        # The portfolio that ends the solve searches from auto's starts (``solvers.polish``).
-        starts = functools.partial(kernel, search=False) if polishing else kernel
-
         def run(g: ComputeGraph, phase: SolveContext) -> Solution:
-            return at_unit_edges(g, run_kernel(starts, g, budget_bytes, phase), budget_bytes)
+            return at_unit_edges(g, run_kernel(kernel, g, budget_bytes, phase), budget_bytes)
 
         remat = solver == "auto" if remat is None else remat
         if remat:
             found = with_remat(graph, budget_bytes, run, ctx, solver)
-        elif polishing:
+        elif polishes(graph, solver, ctx.limit):
             found = polish(graph, budget_bytes, run(graph, ctx.within(ctx.limit * (1 - POLISH_SHARE))), ctx)
         else:
             found = run(graph, ctx)

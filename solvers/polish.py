@@ -1,13 +1,14 @@
 """The last phase of ``auto`` on graphs the whole CP-SAT model suits: CP-SAT's portfolio from the
-plans the phases before it made, until the solve's deadline.
+cheapest plans the reproducible phases made, until the solve's deadline.
 
-The phases before it make starts only, sized from the limit asked for so that the same limit
-gives the same starts: ``sqrt``, ``dp``, and ``ilp``'s block-by-block plan and refined warm plans
-(``ilp.solve_ilp(search=False)``), on the model's graph and on the graph with cheap ops
-rematerialised (``remat_plans.with_remat``), in ``1 - SHARE`` of the limit. This phase takes the
-rest, with the time they leave unused: from a good start the portfolio's LP-based and
-neighbourhood workers find and often prove the optimum of the whole model within seconds,
-where ``ilp``'s one-worker search sweeps it a window at a time (docs/tuning.md, "polish").
+The reproducible phases (``sqrt``, ``dp``, ``ilp``'s block policies and its one-worker search on
+CP-SAT's deterministic clock, on the model's graph and on the graph with cheap ops
+rematerialised: ``remat_plans.with_remat``) are sized from the limit asked for, so the same
+limit gives them the same plans, and at short limits they end early: ``ilp`` skips its search
+when its share cannot pay for building the model twice. They get ``1 - SHARE`` of the limit;
+this phase takes the rest, with the time they leave unused. From their plans the portfolio's
+LP-based and neighbourhood workers find and often prove the optimum of the whole model within
+seconds, where the one worker sweeps it a window at a time (docs/tuning.md, "polish").
 The portfolio is not deterministic: its plan can differ from run to run, is taken only when it
 costs strictly less than its start, and costs the same on every run that proves it optimal.
 
@@ -24,18 +25,17 @@ from ckptplan.solvers import ilp_tuning as tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.solution import Solution
 
-SHARE = 0.3  # of the time before the joint search (``remat_plans.JOINT_SHARE``): this phase's, at least
+SHARE = 0.5  # of the time before the joint search (``remat_plans.JOINT_SHARE``): this phase's, at least
 MIN_SECONDS = 1.0  # the least time worth starting the portfolio for (its model's build comes first)
-MIN_LIMIT = 2.0  # the least limit of a solve that ends with this phase
 
 
 def polishes(graph: ComputeGraph, solver: str, limit: float) -> bool:
     """Whether a solve by ``solver`` with ``limit`` seconds ends with this phase on ``graph``:
     ``auto`` on graphs of at most ``ilp_tuning.FLAT_MAX_NODES`` nodes (larger ones are searched
     block by block, where the whole model's portfolio finds little in seconds), with a finite
-    limit of at least ``MIN_LIMIT``."""
+    limit whose ``SHARE`` is at least ``MIN_SECONDS``."""
     return (solver == "auto" and len(graph.nodes) <= tuning.FLAT_MAX_NODES and math.isfinite(limit)
-            and limit >= MIN_LIMIT)
+            and limit * SHARE >= MIN_SECONDS)
 
 
 def polish(
@@ -50,13 +50,30 @@ def polish(
     """The portfolio search (``ilp_flat.proof_phase``) from ``best`` (its regions when they are
     one level, else from nothing) until ``ctx``'s deadline; ``best`` unless it finds a plan that
     fits ``budget_bytes`` and costs strictly less, or proves ``best`` optimal among ``ilp``'s
-    one-level plans (then ``best`` says so, as ``ilp``'s, its regions' origin kept). ``solved_on``: the graph ``best``'s regions were solved on (None:
-    ``graph``), whose plans ``onto`` makes plans of ``graph`` (rematerialising what they need).
-    Ctrl-C ends the search with the best plan so far."""
-    from ckptplan.solvers.ilp_flat import proof_phase  # imports ortools
-
+    one-level plans (then ``best`` says so, as ``ilp``'s, its regions' origin kept).
+    ``solved_on``: the graph ``best``'s regions were solved on (None: ``graph``), whose plans
+    ``onto`` makes plans of ``graph`` (rematerialising what they need). Ctrl-C ends the search
+    with the best plan so far (``ctx.cancel`` set)."""
     if ctx.over() or ctx.left() < MIN_SECONDS or best.cost_seconds <= 0:
         return best
+    try:
+        return _polish(graph, budget_bytes, best, ctx, solved_on=solved_on, onto=onto)
+    except KeyboardInterrupt:  # outside CP-SAT's search, which takes Ctrl-C itself
+        ctx.cancel.set()
+        return best
+
+
+def _polish(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    best: Solution,
+    ctx: SolveContext,
+    *,
+    solved_on: ComputeGraph | None,
+    onto: Callable[[Solution], Solution] | None,
+) -> Solution:
+    from ckptplan.solvers.ilp_flat import proof_phase  # imports ortools
+
     own = solved_on is None
     searched = graph if own else solved_on
     one_level = all(not region.children for region in best.regions) and not (own and best.remat)

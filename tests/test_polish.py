@@ -32,7 +32,7 @@ def test_auto_polishes_graphs_the_whole_model_suits_with_time_for_it() -> None:
     assert polish.polishes(small, "auto", 10.0)
     assert not polish.polishes(small, "ilp", 10.0)  # ilp keeps its own proof phase
     assert not polish.polishes(small, "auto", math.inf)  # no deadline to stop it
-    assert not polish.polishes(small, "auto", polish.MIN_LIMIT * 0.9)
+    assert not polish.polishes(small, "auto", 2 * polish.MIN_SECONDS * 0.9)
     assert not polish.polishes(large, "auto", 60.0)  # searched block by block
 
 
