@@ -161,12 +161,14 @@ def solve_partition_step(
     (None: ``PARTITION_SOLVERS[solver]``), which returns a partition only when it recomputes
     less, and proves it least or proves that nothing fits. When nothing within the budget is
     found, the least peak found (the exact model's bisection, ``partition_exact.least_partition``,
-    lowers the greedy search's), ``feasible`` False. Every partition returned is the simulator's
-    report of its saved set."""
+    lowers the greedy search's), ``feasible`` False. The greedy search, too, ends by the deadline
+    (``greedy`` alone without ``time_limit`` runs until it is done). Every partition returned is
+    the simulator's report of its saved set."""
     check_partition_solver(solver)
     ctx = SolveContext.limited(time_limit, default=PARTITION_SOLVERS[solver], on_progress=progress)
     ctx.report("greedy")
-    found = solve_partition(graph, budget_bytes, starts)
+    # ``greedy`` alone runs until it is done unless a limit is given; otherwise it ends by the deadline
+    found = solve_partition(graph, budget_bytes, starts, None if solver == "greedy" and time_limit is None else ctx)
     if found.feasible:
         ctx.report(cost_seconds=found.report.recompute_seconds, peak_bytes=found.report.peak_bytes)
     if solver == "greedy" or ctx.over():

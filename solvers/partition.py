@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ckptplan.joint import JointGraph
 from ckptplan.partition import PartitionReport, backward_needs, simulate_partition
+from ckptplan.solvers.context import SolveContext
 
 # Rounds of the greedy search at most, as a multiple of the candidates (each round removes one).
 _ROUNDS_PER_CANDIDATE = 2
@@ -67,30 +68,35 @@ def no_recompute(graph: JointGraph) -> frozenset[int]:
 
 
 def solve_partition(
-    graph: JointGraph, budget_bytes: int, starts: Iterable[Iterable[int]] = ()
+    graph: JointGraph, budget_bytes: int, starts: Iterable[Iterable[int]] = (), ctx: SolveContext | None = None
 ) -> Partition:
     """The saved set for ``budget_bytes``; when none is found within it, the least peak found.
     ``starts``: other saved sets to search from besides saving everything the backward reads
     (PyTorch's own min-cut partition, say); the search starts from the one of least peak, then
-    least recomputation."""
+    least recomputation. ``ctx``: its deadline or Ctrl-C ends the search between two trial
+    partitions with the best one so far (None: the search runs until it is done)."""
     options = [no_recompute(graph), *(must_save(graph, frozenset(start)) for start in starts)]
     reports = [simulate_partition(graph, option) for option in options]
     report = min(reports, key=lambda r: (max(r.peak_bytes, budget_bytes), r.recompute_seconds, r.peak_bytes))
     rounds = _ROUNDS_PER_CANDIDATE * max(1, len(graph.saveable))
-    while report.peak_bytes > budget_bytes and rounds > 0:
+    while report.peak_bytes > budget_bytes and rounds > 0 and not _over(ctx):
         rounds -= 1
-        move = _best_move(graph, report)
+        move = _best_move(graph, report, ctx)
         if move is None:
             break
         report = move
     if report.peak_bytes <= budget_bytes:
-        report = _save_back(graph, report, budget_bytes)
+        report = _save_back(graph, report, budget_bytes, ctx)
     return Partition(report=report, feasible=report.peak_bytes <= budget_bytes)
 
 
-def _best_move(graph: JointGraph, report: PartitionReport) -> PartitionReport | None:
-    """The report of the move that lowers the peak most per second of recomputation added, or
-    None."""
+def _over(ctx: SolveContext | None) -> bool:
+    return ctx is not None and ctx.over()
+
+
+def _best_move(graph: JointGraph, report: PartitionReport, ctx: SolveContext | None) -> PartitionReport | None:
+    """The report of the move that lowers the peak most per second of recomputation added (of
+    those tried before ``ctx`` is over), or None."""
     values = graph.values
     saved = frozenset(report.saved)
     static = graph.static_storages
@@ -110,6 +116,8 @@ def _best_move(graph: JointGraph, report: PartitionReport) -> PartitionReport | 
     for i in candidates:
         inputs = {j for j in values[i].inputs if values[j].phase == "forward" and not values[j].multi_output}
         for option in (saved - {i}, (saved - {i}) | inputs):
+            if _over(ctx):
+                return best
             option = must_save(graph, frozenset(option))
             if option == saved:
                 continue
@@ -137,9 +145,14 @@ def _forward_descendants(graph: JointGraph, roots: list[int]) -> set[int]:
     return found
 
 
-def _save_back(graph: JointGraph, report: PartitionReport, budget_bytes: int) -> PartitionReport:
-    """Save again the recomputed values, costliest first, while the peak stays in budget."""
+def _save_back(
+    graph: JointGraph, report: PartitionReport, budget_bytes: int, ctx: SolveContext | None
+) -> PartitionReport:
+    """Save again the recomputed values, costliest first, while the peak stays in budget (and
+    ``ctx`` is not over)."""
     for i in sorted(report.recomputed, key=lambda i: (-graph.values[i].cost, i)):
+        if _over(ctx):
+            break
         if i not in report.recomputed or graph.values[i].multi_output:  # saved back with another
             continue
         trial = simulate_partition(graph, {*report.saved, i})

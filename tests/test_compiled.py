@@ -15,6 +15,7 @@ from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.joint import JointGraph, JointValue
 from ckptplan.partition import simulate_partition
 from ckptplan.profiler.loss import training_loss
+from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.partition import no_recompute, solve_partition
 from tests import models
 
@@ -133,6 +134,19 @@ def test_the_solver_only_returns_what_the_model_checks() -> None:
         assert simulate_partition(graph, found.saved) == found.report
         assert found.feasible == (found.report.peak_bytes <= int(fraction * baseline))
     assert not solve_partition(graph, baseline).report.recomputed
+
+
+def test_the_greedy_search_ends_by_the_deadline_with_the_partition_it_has() -> None:
+    """With its context's deadline passed, the greedy search makes no move: it returns the
+    partition it starts from (saving what the backward reads), the model's report of it; without
+    a context it runs until it is done."""
+    model, x = _mlp(), torch.randn(128, 64)
+    graph = ckptplan.compile(model, (x,), budget=1.0, backend="aot_eager").ckptplan_plan.graph
+    budget = int(0.6 * simulate_partition(graph, no_recompute(graph)).peak_bytes)
+    stopped = solve_partition(graph, budget, ctx=SolveContext.limited(0.0))
+    assert stopped.saved == no_recompute(graph) and stopped.report == simulate_partition(graph, stopped.saved)
+    finished = solve_partition(graph, budget)
+    assert finished.report.peak_bytes < stopped.report.peak_bytes
 
 
 def _chain() -> JointGraph:
