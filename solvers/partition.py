@@ -73,20 +73,26 @@ def solve_partition(
     """The saved set for ``budget_bytes``; when none is found within it, the least peak found.
     ``starts``: other saved sets to search from besides saving everything the backward reads
     (PyTorch's own min-cut partition, say); the search starts from the one of least peak, then
-    least recomputation. ``ctx``: its deadline or Ctrl-C ends the search between two trial
-    partitions with the best one so far (None: the search runs until it is done)."""
+    least recomputation. ``ctx``: its deadline, or Ctrl-C (which sets its cancel flag), ends the
+    search with the best partition so far (None: the search runs until it is done, and Ctrl-C
+    raises)."""
     options = [no_recompute(graph), *(must_save(graph, frozenset(start)) for start in starts)]
     reports = [simulate_partition(graph, option) for option in options]
     report = min(reports, key=lambda r: (max(r.peak_bytes, budget_bytes), r.recompute_seconds, r.peak_bytes))
     rounds = _ROUNDS_PER_CANDIDATE * max(1, len(graph.saveable))
-    while report.peak_bytes > budget_bytes and rounds > 0 and not _over(ctx):
-        rounds -= 1
-        move = _best_move(graph, report, ctx)
-        if move is None:
-            break
-        report = move
-    if report.peak_bytes <= budget_bytes:
-        report = _save_back(graph, report, budget_bytes, ctx)
+    try:
+        while report.peak_bytes > budget_bytes and rounds > 0 and not _over(ctx):
+            rounds -= 1
+            move = _best_move(graph, report, ctx)
+            if move is None:
+                break
+            report = move
+        if report.peak_bytes <= budget_bytes:
+            report = _save_back(graph, report, budget_bytes, ctx)
+    except KeyboardInterrupt:
+        if ctx is None:
+            raise
+        ctx.cancel.set()  # the partition so far stands; the caller's later phases see the flag
     return Partition(report=report, feasible=report.peak_bytes <= budget_bytes)
 
 

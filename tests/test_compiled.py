@@ -149,6 +149,32 @@ def test_the_greedy_search_ends_by_the_deadline_with_the_partition_it_has() -> N
     assert finished.report.peak_bytes < stopped.report.peak_bytes
 
 
+def test_ctrl_c_during_the_greedy_search_keeps_the_partition_so_far(monkeypatch) -> None:
+    """A Ctrl-C that lands in one of its trial partitions sets the context's cancel flag, and the
+    search returns the last partition it had made, the model's report of it."""
+    from ckptplan.solvers import partition as greedy
+
+    model, x = _mlp(), torch.randn(128, 64)
+    graph = ckptplan.compile(model, (x,), budget=1.0, backend="aot_eager").ckptplan_plan.graph
+    budget = int(0.6 * simulate_partition(graph, no_recompute(graph)).peak_bytes)
+    calls = []
+
+    def pressed(g, saved, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 20:
+            raise KeyboardInterrupt
+        return simulate_partition(g, saved, *args, **kwargs)
+
+    monkeypatch.setattr(greedy, "simulate_partition", pressed)
+    ctx = SolveContext.limited(60.0)
+    found = solve_partition(graph, budget, ctx=ctx)
+    assert ctx.cancelled and len(calls) == 20
+    assert found.report == simulate_partition(graph, found.saved)
+    with pytest.raises(KeyboardInterrupt):  # without a context, Ctrl-C is the caller's
+        calls.clear()
+        solve_partition(graph, budget)
+
+
 def _chain() -> JointGraph:
     """x → a → b → out (4 bytes each but a: 8); backward: t → gb(b, t) → ga(a, gb) = dx."""
     v = [
