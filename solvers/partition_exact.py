@@ -563,5 +563,3 @@ def least_partition(
             if found.status == "infeasible":
                 infeasible_bytes = budget
     return least, infeasible_bytes
-
-

@@ -27,6 +27,7 @@ from ckptplan.solvers.solution import Solution
 
 SHARE = 0.5  # of the time before the joint search (``remat_plans.JOINT_SHARE``): this phase's, at least
 MIN_SECONDS = 1.0  # the least time worth starting the portfolio for (its model's build comes first)
+CHOSE = "auto chose ilp: "  # how the notes of this phase's plans begin: it is ``auto``'s, and they are ``ilp``'s
 
 
 def polishes(graph: ComputeGraph, solver: str, limit: float) -> bool:
@@ -85,27 +86,23 @@ def _polish(
     portfolio = f"CP-SAT's portfolio for the time left ({found.describe()})"
     if regions is None or regions == start:
         if found.status == "OPTIMAL" and start is not None and own:  # proven by the model of ``ilp``'s plans
-            chose, note = _chosen(best.note)
             return best.but(solver="ilp", status="optimal", gap=0.0, origin=best.origin or best.solver,
-                            note=f"{chose}the {best.solver} plan ({note}), proven optimal by {portfolio}")
+                            note=f"{CHOSE}the {best.solver} plan ({_own(best)}), proven optimal by {portfolio}")
         return best
     bare = Solution(regions=regions, report=best.report, solver="ilp")
     plan = bare.resimulated(graph, regions) if own or onto is None else onto(bare)
     if plan.peak_bytes > budget_bytes or plan.cost_seconds >= best.cost_seconds:
         return best
     proven = found.status == "OPTIMAL" and own
-    chose, _ = _chosen(best.note)
     where = "" if own else " on the graph with cheap ops rematerialised"
-    note = (f"{chose}one-level regions with keep-sets{where}, from the {best.solver} plan costing "
+    note = (f"{CHOSE}one-level regions with keep-sets{where}, from the {best.solver} plan costing "
             f"{best.cost_seconds * 1e3:.3g} ms, then {portfolio}" + (f"; {plan.note}" if plan.note else ""))
     ctx.report(cost_seconds=plan.cost_seconds, peak_bytes=plan.peak_bytes)
     return plan.but(solver="ilp", status="optimal" if proven else "feasible", gap=0.0 if proven else None,
                     note=note, origin=None)
 
 
-def _chosen(note: str) -> tuple[str, str]:
-    """``("auto chose ilp: ", the rest)`` when ``note`` is ``auto``'s (``"auto chose <solver>: ..."``),
-    else ``("", note)``: the plans this phase returns are ``ilp``'s."""
-    if not note.startswith("auto chose "):
-        return "", note
-    return "auto chose ilp: ", note.split(": ", 1)[1] if ": " in note else note
+def _own(best: Solution) -> str:
+    """``best``'s note without the ``"auto chose <solver>: "`` that ``solve_auto`` and
+    ``remat_plans.with_remat`` put first."""
+    return best.note.removeprefix(f"auto chose {best.solver}: ")
