@@ -2,6 +2,7 @@
 
     python benchmarks/compile_compare.py                 # the compare.py models
     python benchmarks/compile_compare.py --models gpt    # some of them
+    python benchmarks/compile_compare.py --dtype bfloat16   # weights and inputs in bfloat16
 
 For each model, the peer is ``torch.compile`` with AOTAutograd's min-cut partitioner under
 ``torch._functorch.config.activation_memory_budget`` at 1.0, 0.8, 0.5, 0.2 and 0.0 (inductor's
@@ -13,8 +14,11 @@ peak over one step (``measure_step``, the loop dropping the outputs), ckptplan's
 the FLOPs the backward computes again (forward nodes the backward graph runs that the forward
 graph ran too), the step time over the eager model's (median of paired steps), whether the
 gradients equal those of the first row, the compiled step that recomputes nothing, for the same
-seed (``torch.testing.assert_close``'s defaults: the same decomposed arithmetic; a knob setting
-that recomputes dropout draws new masks), and the seconds the partitioner spent. Writes ``benchmarks/results/compile_compare.md`` and ``.json``.
+seed (``torch.testing.assert_close``'s defaults for the gradients' dtype: the same decomposed
+arithmetic; a knob setting that recomputes dropout draws new masks), and the seconds the
+partitioner spent. Writes ``benchmarks/results/compile_compare.md`` and ``.json``; with
+``--dtype bfloat16`` (the models' parameters, buffers and floating inputs cast to it),
+``compile_compare_bfloat16.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -74,8 +78,20 @@ def _peak(module: nn.Module, work: compare.Workload) -> int:
     return ckptplan.measure_step(module, work.args, work.kwargs, outputs_live=False).peak_bytes
 
 
-def run_case(case: compare.Case, repeats: int, solver: str = "auto", time_limit: float | None = None) -> list[dict[str, Any]]:
+def _in_dtype(work: compare.Workload, dtype: torch.dtype) -> compare.Workload:
+    """``work`` with its model's parameters and buffers and its floating inputs in ``dtype``."""
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    model = work.model.to(dtype)
+    return compare.Workload(model, tuple(map(cast, work.args)), {k: cast(v) for k, v in work.kwargs.items()})
+
+
+def run_case(case: compare.Case, repeats: int, solver: str = "auto", time_limit: float | None = None,
+             dtype: torch.dtype = torch.float32) -> list[dict[str, Any]]:
     work = case.build()
+    if dtype != torch.float32:
+        work = _in_dtype(work, dtype)
     rows: list[dict[str, Any]] = []
     reference: dict[str, Any] = {}  # the gradients of the compiled step that recomputes nothing
 
@@ -86,7 +102,8 @@ def run_case(case: compare.Case, repeats: int, solver: str = "auto", time_limit:
             reference.update(compare._grads(work.model))
         gradients = compare._compare_grads(reference, work.model)
         ratio = compare.time_ratio(module, work, repeats)
-        rows.append({"model": case.name, "method": method, "measured_peak_bytes": peak, "step_time_ratio": ratio,
+        rows.append({"model": case.name, "dtype": str(dtype).removeprefix("torch."), "method": method,
+                     "measured_peak_bytes": peak, "step_time_ratio": ratio,
                      "gradients_equal": gradients, **fields})
         predicted = fields.get("predicted_peak_bytes")
         print(f"{case.name} | {method} | {ckptplan.format_bytes(peak)}"
@@ -155,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="step-time pairs per row")
     parser.add_argument("--solver", default="auto", help="ckptplan.compile's solver: auto, exact or greedy")
     parser.add_argument("--time-limit", type=float, default=None, help="its seconds per partition (default: its own)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the models' parameters, buffers and floating inputs (default float32)")
     options = parser.parse_args(argv)
+    dtype = getattr(torch, options.dtype)
     names = [n for n in options.models.split(",") if n]
     unknown = [n for n in names if n not in compare.CASES]
     if unknown:
@@ -163,17 +183,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for name in names:
-        rows += run_case(compare.CASES[name], options.repeats, options.solver, options.time_limit)
+        rows += run_case(compare.CASES[name], options.repeats, options.solver, options.time_limit, dtype)
     lines = _table(rows)
     print("\n".join(lines))
     results_file.write(
-        __file__, "ckptplan's partition of the compiled step against the memory-budget knob (CPU)", lines,
-        about="Peaks as the CPU allocator counts them over one step (the loop drops the outputs), with the model's "
+        __file__, "ckptplan's partition of the compiled step against the memory-budget knob (CPU"
+        + (f", {options.dtype})" if dtype != torch.float32 else ")"), lines,
+        about=(f"Parameters, buffers and floating inputs in {options.dtype}. " if dtype != torch.float32 else "")
+              + "Peaks as the CPU allocator counts them over one step (the loop drops the outputs), with the model's "
               "state and inputs; step time over the eager model's; GFLOP again: what the backward recomputes. "
               "ckptplan rows: `ckptplan.compile(backend=\"aot_eager\")` at a budget of the knob row's measured peak, "
               f"solver {options.solver}"
               + (f", {options.time_limit:g} s per partition." if options.time_limit is not None else ", its default time."),
-        rows=rows,
+        rows=rows, variant=options.dtype if dtype != torch.float32 else "",
     )
     return 0
 

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def path(script: str, suffix: str = ".md") -> Path:
-    """The results file of ``script`` (its path or name)."""
-    return RESULTS / f"{Path(script).stem}{suffix}"
+def path(script: str, suffix: str = ".md", variant: str = "") -> Path:
+    """The results file of ``script`` (its path or name), or of one ``variant`` of its runs."""
+    return RESULTS / f"{Path(script).stem}{'_' + variant if variant else ''}{suffix}"
 
 
 def command() -> str:
@@ -46,18 +46,20 @@ def machine() -> str:
 
 
 def write(script: str, title: str, lines: Sequence[str], *, about: str = "",
-          rows: list[dict[str, Any]] | None = None) -> Path:
+          rows: list[dict[str, Any]] | None = None, variant: str = "") -> Path:
     """Write ``lines`` as the results file of ``script`` under its title, this run's command and
-    machine, and ``about`` (how to read it); ``rows``, if given, to ``<script>.json`` beside it."""
+    machine, and ``about`` (how to read it); ``rows``, if given, to ``<script>.json`` beside it.
+    ``variant``: the file is ``<script>_<variant>.md`` (a run of the script's that is not its
+    default one keeps its own file)."""
     head = [f"# {title}", "", f"`{command()}` on {machine()}.", ""]
     if about:
         head += [about, ""]
-    target = path(script)
+    target = path(script, variant=variant)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("\n".join([*head, *lines]).rstrip("\n") + "\n")
     if rows is not None:
         document = {"command": command(), "machine": machine(), "rows": rows}
-        path(script, ".json").write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+        path(script, ".json", variant).write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
     print(f"written to {target.relative_to(ROOT) if target.is_relative_to(ROOT) else target}", file=sys.stderr)
     return target
 

@@ -57,8 +57,11 @@ class JointGraph:
 
     ``storage_bytes[s]``: bytes of storage ``s``. ``forward_outputs``: the values the forward
     returns to the caller (the model's outputs, updated buffers). ``backward_outputs``: the
-    values the backward returns (the gradients of the primals). ``outputs_live``: the caller
-    holds the forward's outputs until backward ends (see ``ComputeGraph.outputs_live``).
+    values the backward returns (the gradients of the primals). ``effects``: forward values
+    computed for what they write, not for a reader (inductor's joint graph writes a batch
+    norm's running statistics into its buffers with ``copy_``); the forward computes them, and
+    what they read, whatever it saves. ``outputs_live``: the caller holds the forward's outputs
+    until backward ends (see ``ComputeGraph.outputs_live``).
     """
 
     name: str
@@ -67,6 +70,7 @@ class JointGraph:
     forward_outputs: tuple[int, ...]
     backward_outputs: tuple[int, ...]
     outputs_live: bool = True
+    effects: tuple[int, ...] = ()
     priced_on: str | None = None
 
     @cached_property
@@ -110,6 +114,8 @@ class JointGraph:
             "storages": list(self.storage_bytes),
             "outputs": [list(self.forward_outputs), list(self.backward_outputs)],
         }
+        if self.effects:
+            payload["effects"] = list(self.effects)
         blob = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -9,7 +9,8 @@ after the tuple it takes apart (PyTorch's ``raise_getitems``). Run as graph modu
 after its last use in its graph; the backward's inputs, the saved values and tangents,
 too), the live bytes at every node are exact for ``backend="aot_eager"``:
 
-* forward: each value needed for the forward's outputs or a saved value, in joint order; it
+* forward: each value needed for the forward's outputs, its effects (``JointGraph.effects``)
+  or a saved value, in joint order; it
   lives from its node to its last use in the forward, or, saved or returned, past the forward;
 * between: the caller drops the outputs (unless ``outputs_live``) and its loss's backward hands
   the tangents over;
@@ -162,7 +163,9 @@ def simulate_partition(
         raise CkptPlanError(
             f"The backward needs {', '.join(sorted(missing)[:3])}, which it cannot compute again; save it."
         )
-    forward = raise_getitems(graph, sorted(_ancestors(graph, (*graph.forward_outputs, *saved_set))))
+    forward = raise_getitems(
+        graph, sorted(_ancestors(graph, (*graph.forward_outputs, *graph.effects, *saved_set)))
+    )
     size = graph.storage_bytes
 
     held = graph.held_storages

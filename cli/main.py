@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -48,6 +48,9 @@ from ckptplan.solvers.context import Progress
 from ckptplan.solvers.partition import no_recompute
 from ckptplan.solvers.registry import get_solver
 from ckptplan.units import check_budget
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -246,14 +249,14 @@ def solve(
     verbose = _verbose(ctx, verbose)
     # Cheap checks first: a typo should not cost a minutes-long profile.
     if compile_step:
-        _check_compile_options(solver, costs, trace, optimizer, shard_degree, autocast, target, spell_out, remat)
+        _check_compile_options(solver, costs, trace, optimizer, shard_degree, target, spell_out, remat)
     else:
         get_solver(solver)
     check_budget(budget)
     if out is not None:
         check_plan_target(out, overwrite=force)
     if compile_step:
-        _solve_compiled(model, budget, solver, time_limit, costs, outputs_live, out, force, json_output)
+        _solve_compiled(model, budget, solver, time_limit, costs, outputs_live, autocast, out, force, json_output)
         return
     with load_model(model) as loaded, _progress(f"profiling {loaded.source}"):
         log.info("profiling %s", loaded.source)
@@ -391,7 +394,7 @@ def sweep(
 ) -> None:
     """Solve at several budgets and show the memory/recompute trade-off."""
     if compile_step:
-        _check_compile_options(solver, costs, trace, optimizer, shard_degree, autocast, target, spell_out, remat)
+        _check_compile_options(solver, costs, trace, optimizer, shard_degree, target, spell_out, remat)
     else:
         get_solver(solver)
     requested = [b.strip() for b in budgets.split(",") if b.strip()]
@@ -403,7 +406,7 @@ def sweep(
         check_plotting()
         check_plan_target(plot, overwrite=True)
     if compile_step:
-        joint = _joint_graph(model, costs, outputs_live)
+        joint = _joint_graph(model, costs, outputs_live, autocast)
         with _progress(f"partitioning {joint.name} at {len(requested)} budgets"):
             points = sweep_partitions(joint, requested, solver=solver, time_limit=time_limit)
         baseline = simulate_partition(joint, no_recompute(joint)).peak_bytes
@@ -525,7 +528,7 @@ def _profile(
 
 def _check_compile_options(
     solver: str, costs: Costs, trace: TraceMode, optimizer: Optimizer | None, shard_degree: int | None,
-    autocast: str | None, target: Device | None, spell_out: bool, remat: bool | None,
+    target: Device | None, spell_out: bool, remat: bool | None,
 ) -> None:
     """``--compile``'s refusals, before anything is loaded: its solvers, and options of the eager
     step's profile that a compiled step does not take."""
@@ -539,8 +542,7 @@ def _check_compile_options(
         raise ckptplan.CkptPlanError("--costs here is not available with --compile; use --costs a100 or flops.")
     unsupported = [name for name, given in (
         ("--trace", trace != TraceMode.export), ("--optimizer", optimizer is not None),
-        ("--shard-degree", shard_degree is not None), ("--autocast", autocast is not None),
-        ("--target", target is not None), ("--spell-out", spell_out), ("--remat/--no-remat", remat is not None),
+        ("--shard-degree", shard_degree is not None), ("--target", target is not None), ("--spell-out", spell_out), ("--remat/--no-remat", remat is not None),
     ) if given]
     if unsupported:
         raise ckptplan.CkptPlanError(f"{unsupported[0]} does not apply to a compiled step (--compile); drop it.")
@@ -548,7 +550,7 @@ def _check_compile_options(
 
 def _solve_compiled(
     model: str, budget: str, solver: str, time_limit: float | None, costs: Costs, outputs_live: bool | None,
-    out: Path | None, force: bool, json_output: bool,
+    autocast: str | None, out: Path | None, force: bool, json_output: bool,
 ) -> None:
     """``solve --compile``: compile the model once with ckptplan's partitioner (aot_eager, whose
     joint graph is inductor's) and write or print its partition."""
@@ -560,6 +562,7 @@ def _solve_compiled(
         module = ckptplan.compile(
             loaded.model, loaded.args, loaded.kwargs, budget=budget, solver=solver, backend="aot_eager",
             time_limit=time_limit, outputs_live=outputs_live, roofline=FLOPS if costs == Costs.flops else A100,
+            autocast=_autocast_dtype(autocast, loaded.training),
         )
     plan = module.ckptplan_plan.to_plan()
     _deliver(plan, out, force, json_output, lambda console: render_partition(console, plan))
@@ -581,7 +584,7 @@ def _deliver(
         console.print(f"Wrote the plan to {out}", markup=False, soft_wrap=True)
 
 
-def _joint_graph(model: str, costs: Costs, outputs_live: bool | None) -> JointGraph:
+def _joint_graph(model: str, costs: Costs, outputs_live: bool | None, autocast: str | None) -> JointGraph:
     """The model's compiled step's joint graph, as ``ckptplan.compile`` reads it (compiled once,
     with nothing recomputed)."""
     from ckptplan.profiler.cost import A100, FLOPS
@@ -592,8 +595,17 @@ def _joint_graph(model: str, costs: Costs, outputs_live: bool | None) -> JointGr
         module = ckptplan.compile(
             loaded.model, loaded.args, loaded.kwargs, budget=1.0, solver="greedy", backend="aot_eager",
             outputs_live=outputs_live, roofline=FLOPS if costs == Costs.flops else A100,
+            autocast=_autocast_dtype(autocast, loaded.training),
         )
     return module.ckptplan_plan.graph
+
+
+def _autocast_dtype(autocast: str | None, training: dict[str, str]) -> torch.dtype | None:
+    """``--autocast``, else the model file's TRAINING "autocast", as a torch dtype (None: neither)."""
+    import torch  # here, not at the top: `show` and `schema` never need torch
+
+    name = autocast or training.get("autocast")
+    return getattr(torch, name) if name is not None else None
 
 
 def _write_stdout(text: str) -> None:

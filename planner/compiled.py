@@ -16,11 +16,13 @@ whose fusion holds fewer buffers than the model counts.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,8 +44,10 @@ from ckptplan.plan import (
     SolverInfo,
     load_any_plan,
 )
+from ckptplan.planner.measure import forward_autocast
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.joint import dropout_from_masks, is_tangent, read_joint
+from ckptplan.profiler.trace import model_device_type
 from ckptplan.solvers.orchestrate import check_partition_solver, solve_partition_step
 from ckptplan.solvers.partition import Partition, no_recompute
 from ckptplan.units import format_bytes, parse_budget
@@ -65,7 +69,8 @@ class CompiledPlan:
     (``greedy`` or ``exact``); ``status``: what is proved of it (``solvers.partition.Partition``);
     ``seconds``: the time the search took. ``asked``: the solver asked for (``"plan"``: the
     saved set came from a plan file); ``requested``: the budget as asked; ``inputs``: the
-    shapes and dtypes of the step's tensor inputs. ``to_plan`` makes it a plan file's
+    shapes and dtypes of the step's tensor inputs; ``autocast``: the dtype its forward ran under
+    ``torch.autocast`` with (``"bfloat16"``, ``"float16"`` or None). ``to_plan`` makes it a plan file's
     ``PartitionPlan``."""
 
     graph: JointGraph
@@ -78,6 +83,7 @@ class CompiledPlan:
     asked: str = "greedy"
     requested: str = ""
     inputs: tuple[TensorSpec, ...] = ()
+    autocast: str | None = None
 
     def to_plan(self) -> PartitionPlan:
         """This partition as a plan file's ``PartitionPlan`` (``ckptplan.plan``)."""
@@ -86,7 +92,7 @@ class CompiledPlan:
         return PartitionPlan(
             model=ModelInfo(name=graph.name, fingerprint=graph.fingerprint, node_count=len(graph.values),
                             inputs=tuple(InputInfo(shape=t.shape, dtype=t.dtype) for t in self.inputs),
-                            outputs_live=graph.outputs_live),
+                            outputs_live=graph.outputs_live, autocast=self.autocast),
             budget=BudgetInfo(requested=self.requested or str(self.budget_bytes), bytes=self.budget_bytes),
             solver=SolverInfo(name=self.asked, status=status, seconds=round(self.seconds, 3), origin=self.solver),
             prediction=PartitionPrediction(
@@ -124,6 +130,16 @@ class CompiledPlan:
         return self.report.recompute_flops
 
 
+def nothing_recomputed(plan: CompiledPlan) -> PartitionPlan:
+    """The plan file that saves, on ``plan``'s joint graph, every forward value the backward
+    reads (nothing recomputed), at a budget of its own peak."""
+    report = simulate_partition(plan.graph, no_recompute(plan.graph))
+    return dataclasses.replace(
+        plan, report=report, budget_bytes=report.peak_bytes, requested=str(report.peak_bytes), asked="plan",
+        solver="plan", status="heuristic",
+    ).to_plan()
+
+
 class Partitioner:
     """The partition function handed to AOTAutograd (``partition_fn``) or to inductor
     (``custom_partitioner_fn``). Each graph it partitions leaves its ``CompiledPlan`` in
@@ -134,11 +150,13 @@ class Partitioner:
     def __init__(
         self, budget: str | float, *, roofline: Roofline, outputs_live: bool, name: str, solver: str = "auto",
         time_limit: float | None = None, follow: PartitionPlan | None = None, inputs: tuple[TensorSpec, ...] = (),
+        autocast: str | None = None,
     ) -> None:
         self.budget, self.roofline, self.outputs_live, self.name = budget, roofline, outputs_live, name
         self.solver, self.time_limit = solver, time_limit
         self.follow = follow  # a plan file's saved set, used instead of solving
         self.inputs = inputs  # the step's tensor inputs, for the plan file
+        self.autocast = autocast  # the dtype the forward runs under torch.autocast with, for the plan file
         self.plans: list[CompiledPlan] = []
         self.error: CkptPlanError | None = None
 
@@ -173,7 +191,7 @@ class Partitioner:
         plan = CompiledPlan(graph, budget_bytes, baseline.peak_bytes, found.report, solver=found.origin,
                             status=found.status, seconds=time.perf_counter() - started,
                             asked="plan" if self.follow is not None else self.solver, requested=requested,
-                            inputs=self.inputs)
+                            inputs=self.inputs, autocast=self.autocast)
         self.plans.append(plan)
         if not found.feasible:
             proved = " (no partition fits it: proved by the exact model)" if found.status == "infeasible" else ""
@@ -216,6 +234,25 @@ class Partitioner:
         report = simulate_partition(graph, [graph.index_of(name) for name in plan.saved])
         return Partition(report=report, feasible=report.peak_bytes <= budget_bytes,
                          origin=plan.solver.origin or plan.solver.name)
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """The model's buffers (a batch norm's running statistics) and the random number generators
+    as they were before the block: the forward that ``compile`` runs to partition the step is
+    not one of the user's training steps."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu_rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+        torch.random.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _real_device(joint: fx.GraphModule) -> torch.device | None:
@@ -310,6 +347,7 @@ def compile(
     outputs_live: bool | None = None,
     roofline: Roofline | None = None,
     plan: PartitionPlan | str | Path | None = None,
+    autocast: torch.dtype | None = None,
 ) -> nn.Module:
     """``torch.compile(model)`` whose training step saves what ckptplan chooses for ``budget``.
 
@@ -317,7 +355,8 @@ def compile(
     recomputed, as the plan's peak counts it (the step's allocations plus the model's state and
     inputs). The model is compiled whole (``fullgraph=True``) and run once on ``args`` and
     ``kwargs`` to partition it; the returned module's ``ckptplan_plan`` is the
-    ``CompiledPlan`` of that partition (later recompilations, for other shapes, solve again).
+    ``CompiledPlan`` of that partition (later recompilations, for other shapes, solve again);
+    that run leaves the model's buffers and the random number generators as it found them.
     ``solver``: ``"auto"`` (a greedy search, then the exact CP-SAT model, which proves the least
     recomputation where it can, in ``time_limit`` seconds, 30 by default), ``"exact"`` (the
     same, 120 s by default) or ``"greedy"`` (the greedy search alone); see
@@ -325,8 +364,12 @@ def compile(
     outputs until backward ends (None: the plan's, else True, ``profile``'s default).
     ``plan``: a compiled step's plan (a ``PartitionPlan`` or its file, ``CompiledPlan.to_plan``)
     whose saved set to use instead of solving, on the joint graph it was made for; its budget
-    unless ``budget`` is given. Raises ``InfeasibleBudgetError`` when no partition found (or the
-    plan's) fits the budget.
+    unless ``budget`` is given. ``autocast`` (``torch.bfloat16``, ``torch.float16`` or None):
+    compile the mixed-precision step whose forward and loss run under ``torch.autocast`` with
+    that dtype (None: the plan's, else the autocast already in force around this call, if any);
+    run the returned module under the same autocast, since Dynamo compiles, and ckptplan
+    partitions, again for another. Raises ``InfeasibleBudgetError`` when no partition found (or
+    the plan's) fits the budget.
     """
     if backend not in ("inductor", "aot_eager"):
         raise CkptPlanError(f"Unknown backend {backend!r}; use 'inductor' or 'aot_eager'.")
@@ -343,12 +386,20 @@ def compile(
         budget = plan.budget.bytes
     if outputs_live is None:
         outputs_live = plan.model.outputs_live if plan is not None else True
+    if autocast is None and plan is not None and plan.model.autocast is not None:
+        autocast = getattr(torch, plan.model.autocast)
+    device_type = model_device_type(model, pytree.tree_leaves((args, kwargs)))
+    if autocast is None and torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        autocast = torch.get_autocast_dtype(device_type)
+    if autocast not in (None, torch.bfloat16, torch.float16):
+        raise CkptPlanError(f"autocast={autocast}: use torch.bfloat16, torch.float16 or None.")
     choose_loss_functions(model)
     check_partition_solver(solver)
     partitioner = Partitioner(
         budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__, solver=solver,
         time_limit=time_limit, follow=plan,
         inputs=tuple(TensorSpec.of(t) for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)),
+        autocast=str(autocast).removeprefix("torch.") if autocast is not None else None,
     )
     if backend == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
@@ -369,7 +420,7 @@ def compile(
             model, backend="inductor", fullgraph=True,
             options={"custom_partitioner_fn": _inductor_partitioner(partitioner), "fallback_random": True},
         )
-    with torch.enable_grad():
+    with _state_kept(model), torch.enable_grad(), forward_autocast(model, args, kwargs or {}, autocast):
         try:
             compiled(*args, **(kwargs or {}))  # compiles, and partitions, the training graph
         except Exception:

@@ -96,7 +96,10 @@ def verify(
     run under ``torch.autocast`` with that dtype on the model's device and backward outside it.
     A compiled step's plan (``PartitionPlan``) runs as ``ckptplan.compile(..., plan=plan,
     backend="aot_eager")``, whose peak the plan predicts, against the eager model; its gradients
-    are compared to the rounding of inductor's decompositions (``COMPILED_GRAD_TOLERANCE``)."""
+    are compared to the rounding of inductor's decompositions (``COMPILED_GRAD_TOLERANCE``), with
+    the eager model's, or under autocast (where the decompositions' half-precision rounding
+    differs from eager kernels' by more) with those of the same compiled step recomputing nothing
+    (``nothing_recomputed``)."""
     if steps < 1:
         raise CkptPlanError("--steps must be at least 1.")
     if device not in ("cpu", "cuda"):
@@ -114,17 +117,24 @@ def verify(
         model = model.to(device)
         args, kwargs = _to(args, device), _to(kwargs, device)
     reference = copy.deepcopy(model)
+    compared = reference  # what the gradients are compared with
     if isinstance(plan, PartitionPlan):
-        from ckptplan.planner.compiled import compile as compile_step  # imports inductor's configuration
+        # Imported here: it imports inductor's configuration.
+        from ckptplan.planner.compiled import compile as compile_step
+        from ckptplan.planner.compiled import nothing_recomputed
 
+        unchanged = copy.deepcopy(model) if plan.model.autocast is not None else None
         emitted = compile_step(model, args, kwargs, plan=plan, backend="aot_eager")
+        if unchanged is not None:
+            compared = compile_step(unchanged, args, kwargs, plan=nothing_recomputed(emitted.ckptplan_plan),
+                                    backend="aot_eager")
         tolerance = COMPILED_GRAD_TOLERANCE
     else:
         emitted = apply(model, args, plan, kwargs)
         tolerance = GRAD_TOLERANCE
     step = _Step(args, kwargs, getattr(torch, plan.model.autocast) if plan.model.autocast is not None else None,
                  plan.model.outputs_live)
-    grads_equal, error = _compare_gradients(reference, emitted, model, step, tolerance)
+    grads_equal, error = _compare_gradients(compared, emitted, model, step, tolerance)
     measured = _peak(emitted, step)
     original = _peak(reference, step)
     original_times, emitted_times = _paired_step_times(reference, emitted, step, steps, device)

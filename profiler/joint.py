@@ -90,6 +90,8 @@ def read_joint(
     returned = list(output.args[0])
     forward_outputs = [index[n] for n in returned[:num_fwd_outputs] if isinstance(n, fx.Node)]
     backward_outputs = [index[n] for n in returned[num_fwd_outputs:] if isinstance(n, fx.Node)]
+    effects = [index[n] for n in joint.graph.nodes
+               if n.op == "call_function" and n in index and not n.users and _writes(n) and n not in backward]
     return JointGraph(
         name=name,
         values=tuple(values),
@@ -97,6 +99,7 @@ def read_joint(
         forward_outputs=tuple(dict.fromkeys(forward_outputs)),
         backward_outputs=tuple(dict.fromkeys(backward_outputs)),
         outputs_live=outputs_live,
+        effects=tuple(effects),
         priced_on=roofline.source,
     )
 

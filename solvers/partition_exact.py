@@ -165,10 +165,11 @@ class _Model:
             self._objective()
 
     def _forward(self, forward_ids: list[int]) -> None:
-        """``f_j``: the forward computes the ancestors of its outputs, and of what it saves."""
+        """``f_j``: the forward computes the ancestors of its outputs and effects, and of what
+        it saves."""
         graph, values, m = self.graph, self.graph.values, self.model
         always: set[int] = set()
-        stack = [r for r in graph.forward_outputs if values[r].phase == "forward"]
+        stack = [r for r in (*graph.forward_outputs, *graph.effects) if values[r].phase == "forward"]
         while stack:
             i = stack.pop()
             if i not in always:

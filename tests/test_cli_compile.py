@@ -94,6 +94,23 @@ def test_verify_compiles_the_model_with_the_partition_and_measures_it(model_file
     assert 0 <= report["measured_peak_bytes"] - plan.prediction.peak_bytes <= 64
 
 
+def test_an_autocast_partition_is_verified_under_autocast(model_file: Path) -> None:
+    """``--autocast`` plans the mixed-precision step; verify runs it under autocast and compares
+    its gradients with those of the compiled step recomputing nothing."""
+    out = model_file.with_name("autocast.json")
+    result = invoke("solve", model_file, "--budget", "0.8", "--compile", "--autocast", "bf16", "--time-limit", "3",
+                    "--out", out)
+    assert result.exit_code == 0, result.output
+    plan = load_any_plan(out)
+    assert plan.model.autocast == "bfloat16" and plan.recomputed
+    torch._dynamo.reset()
+    result = invoke("verify", model_file, "--plan", out, "--steps", "1", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["within_budget"] and report["gradients_equal"]
+    assert 0 <= report["measured_peak_bytes"] - plan.prediction.peak_bytes <= 64
+
+
 def test_compile_follows_a_plan_file_and_refuses_another_step(partition_file: Path) -> None:
     plan = load_any_plan(partition_file)
     namespace: dict[str, object] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -222,6 +223,26 @@ def test_the_inductor_backend_takes_the_partition() -> None:
     _assert_trains_as_eager(compiled, model, reference, x)
 
 
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                    reason="inductor on CPU needs a C++ compiler")
+def test_inductor_writes_batch_norm_statistics_once_and_the_model_runs_the_writes() -> None:
+    """Inductor's joint graph writes the running statistics with ``copy_``, which nothing reads:
+    the forward runs them (``JointGraph.effects``) whatever it saves, as the graphs PyTorch cuts
+    do. Compiling leaves the statistics as they were; one step then updates them once."""
+    torch.manual_seed(0)
+    model, x = models.ConvBN(), torch.randn(8, 8, 16, 16)
+    reference = copy.deepcopy(model)
+    compiled = ckptplan.compile(model, (x,), budget=0.9, backend="inductor", time_limit=3)
+    graph = compiled.ckptplan_plan.graph
+    assert graph.effects and all(graph.values[i].op == "aten.copy_.default" for i in graph.effects)
+    for b, r in zip(model.buffers(), reference.buffers(), strict=True):
+        assert torch.equal(b, r)  # compiling is not a training step
+    _assert_trains_as_eager(compiled, model, reference, x)
+    for b, r in zip(model.buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(b, r, atol=1e-4, rtol=1e-3)
+    assert all(bn.num_batches_tracked.item() == 1 for bn in model.modules() if isinstance(bn, nn.BatchNorm2d))
+
+
 def test_a_transformers_model_compiles_whole_and_measures_as_predicted() -> None:
     """A ``transformers`` model would log its loss-function warning inside the graph; compile
     picks the loss first, so the model compiles whole."""
@@ -245,3 +266,41 @@ def test_a_bfloat16_step_measures_as_predicted() -> None:
     plan = compiled.ckptplan_plan
     assert plan.recomputed and plan.peak_bytes <= plan.budget_bytes
     assert 0 <= _measured(compiled, x) - plan.peak_bytes <= 64
+
+
+def test_an_autocast_step_measures_as_predicted_and_trains_as_the_step_recomputing_nothing() -> None:
+    """Forward and loss under bfloat16 autocast: the joint graph is the mixed-precision one, the
+    plan says so, the prediction is the allocator's count, and recomputing leaves the gradients
+    exactly those of the same compiled step saving everything."""
+    from ckptplan.planner.compiled import nothing_recomputed
+
+    torch.manual_seed(0)
+    model, x = _mlp(dropout=0.1), torch.randn(1024, 64)
+    unchanged = copy.deepcopy(model)
+    compiled = ckptplan.compile(model, (x,), budget=0.7, backend="aot_eager", outputs_live=False, time_limit=3,
+                                autocast=torch.bfloat16)
+    plan = compiled.ckptplan_plan
+    assert plan.autocast == plan.to_plan().model.autocast == "bfloat16"
+    assert plan.recomputed and plan.peak_bytes <= plan.budget_bytes
+    ckptplan.measure_step(compiled, (x,), outputs_live=False, autocast=torch.bfloat16)
+    measured = ckptplan.measure_step(compiled, (x,), outputs_live=False, autocast=torch.bfloat16).peak_bytes
+    assert 0 <= measured - plan.peak_bytes <= 64
+    saving = ckptplan.compile(unchanged, (x,), backend="aot_eager", plan=nothing_recomputed(plan))
+    assert not saving.ckptplan_plan.recomputed and saving.ckptplan_plan.autocast == "bfloat16"
+    for module in (compiled, saving):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = training_loss(module(x))
+        loss.backward()
+    for p, q in zip(model.parameters(), unchanged.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_compile_inside_an_autocast_context_plans_the_autocast_step() -> None:
+    model, x = _mlp(), torch.randn(256, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled = ckptplan.compile(model, (x,), budget=1.0, solver="greedy", backend="aot_eager")
+    assert compiled.ckptplan_plan.autocast == "bfloat16"
+    with pytest.raises(CkptPlanError, match="autocast=torch.float64"):
+        ckptplan.compile(model, (x,), budget=1.0, backend="aot_eager", autocast=torch.float64)
