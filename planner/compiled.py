@@ -44,7 +44,7 @@ from ckptplan.plan import (
     SolverInfo,
     load_any_plan,
 )
-from ckptplan.planner.measure import forward_autocast
+from ckptplan.planner.measure import forward_autocast, measure_step
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.joint import dropout_from_masks, is_tangent, read_joint
 from ckptplan.profiler.trace import model_device_type
@@ -70,7 +70,10 @@ class CompiledPlan:
     ``seconds``: the time the search took. ``asked``: the solver asked for (``"plan"``: the
     saved set came from a plan file); ``requested``: the budget as asked; ``inputs``: the
     shapes and dtypes of the step's tensor inputs; ``autocast``: the dtype its forward ran under
-    ``torch.autocast`` with (``"bfloat16"``, ``"float16"`` or None). ``to_plan`` makes it a plan file's
+    ``torch.autocast`` with (``"bfloat16"``, ``"float16"`` or None). ``measured_peak_bytes``: the
+    compiled step's peak as the allocator counted it when ``compile`` ran it (inductor's steps;
+    None where it did not); ``margin_bytes``: how far below the budget the partition was solved
+    for, so that the measured step fits (``compile``). ``to_plan`` makes it a plan file's
     ``PartitionPlan``."""
 
     graph: JointGraph
@@ -84,6 +87,8 @@ class CompiledPlan:
     requested: str = ""
     inputs: tuple[TensorSpec, ...] = ()
     autocast: str | None = None
+    measured_peak_bytes: int | None = None
+    margin_bytes: int = 0
 
     def to_plan(self) -> PartitionPlan:
         """This partition as a plan file's ``PartitionPlan`` (``ckptplan.plan``)."""
@@ -157,6 +162,7 @@ class Partitioner:
         self.follow = follow  # a plan file's saved set, used instead of solving
         self.inputs = inputs  # the step's tensor inputs, for the plan file
         self.autocast = autocast  # the dtype the forward runs under torch.autocast with, for the plan file
+        self.margin_bytes = 0  # solve for the budget less this (compile's measured check)
         self.plans: list[CompiledPlan] = []
         self.error: CkptPlanError | None = None
 
@@ -184,22 +190,28 @@ class Partitioner:
             found = self._followed(graph, budget_bytes)
         else:
             found = solve_partition_step(
-                graph, budget_bytes, solver=self.solver, time_limit=self.time_limit,
+                graph, budget_bytes - self.margin_bytes, solver=self.solver, time_limit=self.time_limit,
                 starts=_min_cut_starts(joint, graph, num_fwd_outputs, kwargs),
             )
         requested = self.budget if isinstance(self.budget, str) else repr(self.budget)
         plan = CompiledPlan(graph, budget_bytes, baseline.peak_bytes, found.report, solver=found.origin,
                             status=found.status, seconds=time.perf_counter() - started,
                             asked="plan" if self.follow is not None else self.solver, requested=requested,
-                            inputs=self.inputs, autocast=self.autocast)
+                            inputs=self.inputs, autocast=self.autocast, margin_bytes=self.margin_bytes)
         self.plans.append(plan)
         if not found.feasible:
             proved = " (no partition fits it: proved by the exact model)" if found.status == "infeasible" else ""
+            margin, measured = "", ""
+            if self.margin_bytes:
+                margin = (f" less the {format_bytes(self.margin_bytes)} by which inductor's step measured above the "
+                          "model's peak")
+                measured = f", so about {format_bytes(found.report.peak_bytes + self.margin_bytes)} measured"
             self.error = InfeasibleBudgetError(
-                f"Budget {format_bytes(budget_bytes)} ({budget_bytes:,} bytes) is below the least peak the compiled "
-                f"step reached, {format_bytes(found.report.peak_bytes)} ({found.report.peak_bytes:,} bytes){proved}; "
-                "raise the budget.",
-                budget_bytes=budget_bytes, min_peak_bytes=found.report.peak_bytes, least_plan=plan,
+                f"Budget {format_bytes(budget_bytes)} ({budget_bytes:,} bytes){margin} is below the least peak the "
+                f"compiled step reached, {format_bytes(found.report.peak_bytes)} ({found.report.peak_bytes:,} "
+                f"bytes){proved}{measured}; raise the budget.",
+                budget_bytes=budget_bytes, min_peak_bytes=found.report.peak_bytes + self.margin_bytes,
+                least_plan=plan,
             )
         nodes = {n.name: n for n in joint.graph.nodes}
         in_backward = {graph.values[i].name for i in found.report.backward_order}
@@ -263,6 +275,10 @@ def _real_device(joint: fx.GraphModule) -> torch.device | None:
             return value.device if value.device.type in ("cpu", "cuda") else None
     return None
 
+
+# How many times ``compile`` partitions an inductor step whose measured peak is over the budget,
+# each time for a budget lower by 1.5 times the overshoot so far (docs/limits.md, "Compiled steps").
+MEASURED_TRIES = 3
 
 # The memory-budget settings of PyTorch's min-cut partitioner whose partitions start the search.
 _MIN_CUT_STARTS = (1.0, 0.5, 0.0)
@@ -370,6 +386,16 @@ def compile(
     run the returned module under the same autocast, since Dynamo compiles, and ckptplan
     partitions, again for another. Raises ``InfeasibleBudgetError`` when no partition found (or
     the plan's) fits the budget.
+
+    With ``backend="inductor"`` (and no ``plan``), ``compile`` also runs two training steps on
+    ``args`` and measures the second one's peak as the allocator counts it (``measure_step``):
+    inductor's kernels may hold more than the model of the two graphs counts (a layout change
+    for convolutions, a buffer computed early for a later kernel). A step measured over the
+    budget is partitioned and compiled again for the budget less 1.5 times the overshoot so far,
+    up to ``MEASURED_TRIES`` times; ``ckptplan_plan.measured_peak_bytes`` is the step's measured
+    peak, ``ckptplan_attempts`` every partition measured. The steps leave the model's gradients,
+    buffers and random number generators as they were (on CUDA they reset the peak-memory
+    counter, ``torch.cuda.reset_peak_memory_stats``).
     """
     if backend not in ("inductor", "aot_eager"):
         raise CkptPlanError(f"Unknown backend {backend!r}; use 'inductor' or 'aot_eager'.")
@@ -395,12 +421,48 @@ def compile(
         raise CkptPlanError(f"autocast={autocast}: use torch.bfloat16, torch.float16 or None.")
     choose_loss_functions(model)
     check_partition_solver(solver)
-    partitioner = Partitioner(
-        budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__, solver=solver,
-        time_limit=time_limit, follow=plan,
-        inputs=tuple(TensorSpec.of(t) for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)),
-        autocast=str(autocast).removeprefix("torch.") if autocast is not None else None,
-    )
+    inputs = tuple(TensorSpec.of(t) for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor))
+    margin, attempts = 0, []
+    for attempt in range(1, MEASURED_TRIES + 1):
+        partitioner = Partitioner(
+            budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__, solver=solver,
+            time_limit=time_limit, follow=plan, inputs=inputs,
+            autocast=str(autocast).removeprefix("torch.") if autocast is not None else None,
+        )
+        partitioner.margin_bytes = margin
+        compiled = _compiled(model, args, kwargs or {}, partitioner, backend, autocast)
+        found = partitioner.plans[-1]
+        if backend != "inductor" or plan is not None:
+            break
+        measured = _measured_peak(compiled, model, args, kwargs or {}, autocast, outputs_live)
+        found = dataclasses.replace(found, measured_peak_bytes=measured)
+        partitioner.plans[-1] = found
+        attempts.append(found)
+        over = measured - found.budget_bytes
+        if over <= 0:
+            break
+        log.info("inductor's step measured %s, %s over the budget: partitioning again with that margin",
+                 format_bytes(measured), format_bytes(over))
+        if attempt == MEASURED_TRIES:
+            raise InfeasibleBudgetError(
+                f"Inductor's compiled step measured {format_bytes(measured)} ({measured:,} bytes), over the budget "
+                f"of {format_bytes(found.budget_bytes)}, after {attempt} partitions each solved for less; raise the "
+                "budget, or compile with backend='aot_eager', whose step the model predicts exactly.",
+                budget_bytes=found.budget_bytes, min_peak_bytes=measured, least_plan=found,
+            )
+        margin += over + over // 2  # the overshoot shrinks with the budget, not always as fast
+    compiled.ckptplan_plan = found
+    compiled.ckptplan_partitioner = partitioner
+    compiled.ckptplan_attempts = tuple(attempts) or (found,)
+    return compiled
+
+
+def _compiled(
+    model: nn.Module, args: tuple, kwargs: dict[str, Any], partitioner: Partitioner, backend: Backend,
+    autocast: torch.dtype | None,
+) -> nn.Module:
+    """``model`` compiled with ``partitioner``, run once on ``args`` and ``kwargs`` to partition
+    its training graph."""
     if backend == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
@@ -420,9 +482,9 @@ def compile(
             model, backend="inductor", fullgraph=True,
             options={"custom_partitioner_fn": _inductor_partitioner(partitioner), "fallback_random": True},
         )
-    with _state_kept(model), torch.enable_grad(), forward_autocast(model, args, kwargs or {}, autocast):
+    with _state_kept(model), torch.enable_grad(), forward_autocast(model, args, kwargs, autocast):
         try:
-            compiled(*args, **(kwargs or {}))  # compiles, and partitions, the training graph
+            compiled(*args, **kwargs)  # compiles, and partitions, the training graph
         except Exception:
             if partitioner.error is not None:  # Dynamo wraps what the partitioner raised
                 raise partitioner.error from None
@@ -434,6 +496,21 @@ def compile(
         )
     if partitioner.error is not None:
         raise partitioner.error
-    compiled.ckptplan_plan = partitioner.plans[-1]
-    compiled.ckptplan_partitioner = partitioner
     return compiled
+
+
+def _measured_peak(
+    compiled: nn.Module, model: nn.Module, args: tuple, kwargs: dict[str, Any], autocast: torch.dtype | None,
+    outputs_live: bool,
+) -> int:
+    """The peak of ``compiled``'s training step as the allocator counts it (``measure_step``),
+    the second of two steps (the first compiles the backward); the model's gradients, buffers
+    and the random number generators are left as they were."""
+    grads = [(p, p.grad) for p in model.parameters()]
+    try:
+        with _state_kept(model):
+            measure_step(compiled, args, kwargs, autocast=autocast, outputs_live=outputs_live)
+            return measure_step(compiled, args, kwargs, autocast=autocast, outputs_live=outputs_live).peak_bytes
+    finally:
+        for p, grad in grads:
+            p.grad = grad

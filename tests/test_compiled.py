@@ -219,8 +219,45 @@ def test_the_inductor_backend_takes_the_partition() -> None:
     model, x = _mlp(dropout=0.1), torch.randn(256, 64)
     reference = copy.deepcopy(model)
     compiled = ckptplan.compile(model, (x,), budget=0.8, backend="inductor")
-    assert compiled.ckptplan_plan.recomputed
+    plan = compiled.ckptplan_plan
+    assert plan.recomputed
+    assert all(p.grad is None for p in model.parameters())  # compile measured the step, and left no gradients
+    assert plan.measured_peak_bytes <= plan.budget_bytes
+    assert plan.measured_peak_bytes == _measured(compiled, x)
     _assert_trains_as_eager(compiled, model, reference, x)
+
+
+def test_an_inductor_step_measured_over_the_budget_is_partitioned_again_for_less(monkeypatch) -> None:
+    """Inductor's kernels may hold more than the model counts (a layout change, a buffer kept
+    for a later kernel): a step measured over the budget is partitioned again, for the budget
+    less 1.5 times the overshoot, until one fits or the tries run out."""
+    from ckptplan.planner import compiled as compiled_module
+
+    partitioners, readings = [], []
+    real_compiled, real_measured = compiled_module._compiled, compiled_module._measured_peak
+
+    def compiled(model, args, kwargs, partitioner, *rest):
+        partitioners.append(partitioner)
+        return real_compiled(model, args, kwargs, partitioner, *rest)
+
+    def measured(*args):
+        peak = real_measured(*args)
+        if not readings:  # the first step reads 4 KiB over the budget
+            peak = partitioners[-1].plans[-1].budget_bytes + 4096
+        readings.append(peak)
+        return peak
+
+    monkeypatch.setattr(compiled_module, "_compiled", compiled)
+    monkeypatch.setattr(compiled_module, "_measured_peak", measured)
+    model, x = _mlp(), torch.randn(1024, 64)
+    plan = ckptplan.compile(model, (x,), budget=0.8, backend="inductor", time_limit=2).ckptplan_plan
+    assert len(partitioners) == len(readings) == 2
+    assert plan.margin_bytes == 6144 and plan.report.peak_bytes <= plan.budget_bytes - 6144
+    assert plan.measured_peak_bytes == readings[-1] <= plan.budget_bytes
+    readings.clear()
+    monkeypatch.setattr(compiled_module, "_measured_peak", lambda *args: 10**12)
+    with pytest.raises(InfeasibleBudgetError, match="by which inductor's step measured above"):
+        ckptplan.compile(model, (x,), budget=0.8, backend="inductor", time_limit=2)
 
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
