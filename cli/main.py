@@ -499,14 +499,11 @@ def _profile(
 ) -> ComputeGraph:
     """Profile the loaded model as the options (or, where they are silent, its file's
     ``TRAINING`` defaults, which the loader has checked) describe its training step."""
-    import torch  # here, not at the top: `show` and `schema` never need torch
-
     from ckptplan.profiler.cost import A100, FLOPS
     from ckptplan.profiler.trace import model_device_type
 
     optimizer_name = optimizer.value if optimizer is not None else loaded.training.get("optimizer")
     master_dtype = master_dtype or loaded.training.get("master_dtype")
-    autocast = autocast or loaded.training.get("autocast")
     target_name = target.value if target is not None else loaded.training.get("target")
     if outputs_live is None:
         outputs_live = loaded.training.get("outputs", "kept") == "kept"
@@ -521,7 +518,7 @@ def _profile(
         roofline = ckptplan.measure_roofline(device)
     return ckptplan.profile(
         loaded.model, loaded.args, loaded.kwargs, trace=trace.value, optimizer=optimizer_name, shard=shard,
-        autocast=getattr(torch, autocast) if autocast is not None else None, target=target_name,
+        autocast=_autocast_dtype(autocast, loaded.training), target=target_name,
         roofline=roofline, measure_times=costs == Costs.here, spell_out=spell_out, outputs_live=outputs_live,
     )
 
@@ -542,7 +539,8 @@ def _check_compile_options(
         raise ckptplan.CkptPlanError("--costs here is not available with --compile; use --costs a100 or flops.")
     unsupported = [name for name, given in (
         ("--trace", trace != TraceMode.export), ("--optimizer", optimizer is not None),
-        ("--shard-degree", shard_degree is not None), ("--target", target is not None), ("--spell-out", spell_out), ("--remat/--no-remat", remat is not None),
+        ("--shard-degree", shard_degree is not None), ("--target", target is not None),
+        ("--spell-out", spell_out), ("--remat/--no-remat", remat is not None),
     ) if given]
     if unsupported:
         raise ckptplan.CkptPlanError(f"{unsupported[0]} does not apply to a compiled step (--compile); drop it.")

@@ -11,7 +11,9 @@ orders it, which the model assumes (checked at every partition).
 
 ``backend="aot_eager"`` runs both graphs eagerly (what the model predicts, each op's kernel
 workspace measured by running it once); ``backend="inductor"`` compiles them with inductor,
-whose fusion holds fewer buffers than the model counts.
+whose kernels hold fewer buffers than the model counts (fusion) or more (a layout change, a
+buffer computed early for a later kernel): ``compile`` measures that step, and partitions
+again for less while it is over the budget.
 """
 
 from __future__ import annotations

@@ -214,8 +214,8 @@ def test_the_partition_model_on_a_chain_by_hand() -> None:
 
 
 def test_the_inductor_backend_takes_the_partition() -> None:
-    """Inductor compiles the graphs ckptplan cut (its fusion holds fewer buffers than the model
-    counts, so the prediction is an upper bound there, not exact)."""
+    """Inductor compiles the graphs ckptplan cut; its kernels hold other buffers than the model
+    counts, so ``compile`` measures the step, and leaves no gradients behind."""
     model, x = _mlp(dropout=0.1), torch.randn(256, 64)
     reference = copy.deepcopy(model)
     compiled = ckptplan.compile(model, (x,), budget=0.8, backend="inductor")
