@@ -394,7 +394,8 @@ def compile(
     inductor's kernels may hold more than the model of the two graphs counts (a layout change
     for convolutions, a buffer computed early for a later kernel). A step measured over the
     budget is partitioned and compiled again for the budget less 1.5 times the overshoot so far,
-    up to ``MEASURED_TRIES`` times; ``ckptplan_plan.measured_peak_bytes`` is the step's measured
+    up to ``MEASURED_TRIES`` times (a step that runs out of device memory there raises
+    ``CkptPlanError``); ``ckptplan_plan.measured_peak_bytes`` is the step's measured
     peak, ``ckptplan_attempts`` every partition measured. The steps leave the model's gradients,
     buffers and random number generators as they were (on CUDA they reset the peak-memory
     counter, ``torch.cuda.reset_peak_memory_stats``).
@@ -513,6 +514,11 @@ def _measured_peak(
         with _state_kept(model):
             measure_step(compiled, args, kwargs, autocast=autocast, outputs_live=outputs_live)
             return measure_step(compiled, args, kwargs, autocast=autocast, outputs_live=outputs_live).peak_bytes
+    except torch.OutOfMemoryError:
+        raise CkptPlanError(
+            "Inductor's compiled step ran out of device memory when compile measured it; lower the budget, or "
+            "compile with backend='aot_eager', whose step the model predicts exactly."
+        ) from None
     finally:
         for p, grad in grads:
             p.grad = grad

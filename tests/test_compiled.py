@@ -260,6 +260,22 @@ def test_an_inductor_step_measured_over_the_budget_is_partitioned_again_for_less
         ckptplan.compile(model, (x,), budget=0.8, backend="inductor", time_limit=2)
 
 
+def test_an_inductor_step_out_of_memory_when_measured_says_so_and_keeps_the_gradients(monkeypatch) -> None:
+    from ckptplan.planner import compiled as compiled_module
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    model, x = _mlp(), torch.randn(256, 64)
+    training_loss(model(x)).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    monkeypatch.setattr(compiled_module, "measure_step", out_of_memory)
+    with pytest.raises(CkptPlanError, match="ran out of device memory when compile measured it; lower the budget"):
+        ckptplan.compile(model, (x,), budget=0.8, backend="inductor", time_limit=2)
+    for p, grad in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.grad, grad)
+
+
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                     reason="inductor on CPU needs a C++ compiler")
 def test_inductor_writes_batch_norm_statistics_once_and_the_model_runs_the_writes() -> None:
