@@ -16,6 +16,15 @@ it. The loop drops the outputs once the loss is made, and the profiles say so
 device, torch, model, method, budget_bytes, measured_peak_bytes, predicted_peak_bytes,
 step_time_ratio, predicted_step_time_ratio; null where a peer has none) and a table beside it.
 Without CUDA and without ``--tiny`` it says so and exits 1; a ``--tiny`` run on CPU writes nothing.
+
+    python benchmarks/gpu_compare.py --compile --models llama   # compiled steps (inductor)
+
+``--compile`` measures compiled steps instead: ``torch.compile`` (inductor, its min-cut
+partitioner) at ``activation_memory_budget`` 1.0, 0.5 and 0.2, and ``ckptplan.compile`` (inductor)
+at each of those settings' measured peaks and at 0.5 of its model's no-recompute peak, its
+predicted peak the model of the partitioned graphs; step times over the eager model's. Its rows
+go to ``gpu_compare_compile.json`` and ``.md``. Each row is one or more inductor compiles (a
+minute or so each at these sizes): run one family per call.
 """
 
 from __future__ import annotations
@@ -199,6 +208,58 @@ def run_family(family: Family, options: argparse.Namespace, device: torch.device
     return rows
 
 
+KNOBS = (1.0, 0.5, 0.2)
+
+
+def run_compiled_family(family: Family, options: argparse.Namespace, device: torch.device, compare: Any) -> list[dict]:
+    """The compiled rows of one family: ``torch.compile`` at each knob setting, then
+    ``ckptplan.compile`` at each setting's measured peak and at 0.5."""
+    from torch._functorch import config as functorch_config
+
+    from ckptplan.planner.compiled import choose_loss_functions
+
+    model, args, kwargs = family.build(options.tiny, device)
+    choose_loss_functions(model)  # a transformers model picks its loss before Dynamo traces it whole
+    base = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "model": family.name}
+    rows = []
+
+    def row(method: str, module: nn.Module, plan: Any = None) -> None:
+        peak = _peak(module, args, kwargs, family.autocast)
+        ratio = _time_ratio(module, model, args, kwargs, family.autocast, device, options.repeats)
+        rows.append({**base, "method": method, "budget_bytes": plan.budget_bytes if plan else None,
+                     "measured_peak_bytes": peak, "predicted_peak_bytes": plan.peak_bytes if plan else None,
+                     "step_time_ratio": ratio, "predicted_step_time_ratio": None,
+                     "measured_at_compile_bytes": plan.measured_peak_bytes if plan else None,
+                     "partitions": len(module.ckptplan_attempts) if plan else None})
+        print(f"{family.name} | {method} | {ckptplan.format_bytes(peak)} | {ratio:.2f}x"
+              + (f" | model {ckptplan.format_bytes(plan.peak_bytes)}, {rows[-1]['partitions']} partition(s)"
+                 if plan else ""), flush=True)
+
+    for knob in KNOBS:
+        torch._dynamo.reset()
+        with functorch_config.patch(activation_memory_budget=knob):
+            module = torch.compile(model, fullgraph=True)
+            _step(module, args, kwargs, family.autocast)  # compiles under the setting
+        row(f"torch.compile, activation_memory_budget {knob}", module)
+        del module
+    budgets: list[tuple[str, float | int]] = [(f"ckptplan.compile at {r['method'].split(', ')[1]}'s peak",
+                                               r["measured_peak_bytes"]) for r in rows]
+    budgets.append(("ckptplan.compile at 0.5", 0.5))
+    for method, budget in budgets:
+        torch._dynamo.reset()
+        try:
+            module = ckptplan.compile(model, args, kwargs, budget=budget, time_limit=options.time_limit,
+                                      outputs_live=False, autocast=family.autocast)
+        except InfeasibleBudgetError as error:
+            print(f"{family.name} | {method} | infeasible: {error}", flush=True)
+            continue
+        row(method, module, module.ckptplan_plan)
+        del module
+    torch._dynamo.reset()
+    return rows
+
+
 def _table(rows: list[dict]) -> str:
     lines = ["| model | method | budget | measured peak | predicted | step time | predicted |",
              "|---|---|---|---|---|---|---|"]
@@ -219,6 +280,8 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per solve")
     parser.add_argument("--repeats", type=int, default=5, help="step-time pairs per method")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (runs on CPU without a GPU; writes nothing)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compiled steps: torch.compile's memory budget against ckptplan.compile (inductor)")
     options = parser.parse_args()
     unknown = [m for m in options.models.split(",") if m not in FAMILIES]
     if unknown:
@@ -233,7 +296,8 @@ def main() -> int:
     failed = []
     for name in options.models.split(","):
         try:
-            rows += run_family(FAMILIES[name], options, device, compare)
+            run = run_compiled_family if options.compile else run_family
+            rows += run(FAMILIES[name], options, device, compare)
         except Exception as exc:  # noqa: BLE001 (one family's failure must not lose the others' device time)
             failed.append(f"{name}: {type(exc).__name__}: {exc}")
             print(f"{name} | failed | {failed[-1]}", file=sys.stderr, flush=True)
@@ -244,14 +308,15 @@ def main() -> int:
     table = _table(rows)
     print("\n" + table)
     if device.type == "cuda" and not options.tiny:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
+        results = RESULTS.with_name("gpu_compare_compile.json") if options.compile else RESULTS
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(rows, indent=2) + "\n")
         command = " ".join(["python benchmarks/gpu_compare.py", *sys.argv[1:]])
-        RESULTS.with_suffix(".md").write_text(
+        results.with_suffix(".md").write_text(
             f"# ckptplan against what users run today, on {rows[0]['device']}\n\n`{command}`, torch {torch.__version__}; "
             "peaks as `torch.cuda.max_memory_allocated` counts them, step times as ratios to the no-checkpoint step.\n\n"
             + table + "\n" + "".join(f"\nFailed: {line}\n" for line in failed))
-        print(f"written to {RESULTS.relative_to(ROOT)} and {RESULTS.with_suffix('.md').relative_to(ROOT)}")
+        print(f"written to {results.relative_to(ROOT)} and {results.with_suffix('.md').relative_to(ROOT)}")
     return 0
 
 
