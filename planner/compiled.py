@@ -433,7 +433,8 @@ def compile(
             autocast=str(autocast).removeprefix("torch.") if autocast is not None else None,
         )
         partitioner.margin_bytes = margin
-        compiled = _compiled(model, args, kwargs or {}, partitioner, backend, autocast)
+        with _recompiles_allowed(attempt - 1):  # a partition made again does not use up the user's recompiles
+            compiled = _compiled(model, args, kwargs or {}, partitioner, backend, autocast)
         found = partitioner.plans[-1]
         if backend != "inductor" or plan is not None:
             break
@@ -488,9 +489,15 @@ def _compiled(
     with _state_kept(model), torch.enable_grad(), forward_autocast(model, args, kwargs, autocast):
         try:
             compiled(*args, **kwargs)  # compiles, and partitions, the training graph
-        except Exception:
+        except Exception as exc:
             if partitioner.error is not None:  # Dynamo wraps what the partitioner raised
                 raise partitioner.error from None
+            if "LimitHit" in type(exc).__name__:  # FailOnRecompileLimitHit (fullgraph=True)
+                raise CkptPlanError(
+                    f"Dynamo has compiled {type(model).__name__}'s forward as many times as "
+                    f"torch._dynamo.config.{_recompile_limit_name()} allows (each compile call, and each partition "
+                    "made again, compiles it once more); call torch.compiler.reset() before compiling it again."
+                ) from None
             raise
     if not partitioner.plans:
         raise CkptPlanError(
@@ -500,6 +507,23 @@ def _compiled(
     if partitioner.error is not None:
         raise partitioner.error
     return compiled
+
+
+def _recompile_limit_name() -> str:
+    """Dynamo's limit on compiles of one function (renamed in torch 2.7)."""
+    from torch._dynamo import config as dynamo_config
+
+    return "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+
+
+@contextlib.contextmanager
+def _recompiles_allowed(extra: int) -> Iterator[None]:
+    """Dynamo's recompile limit raised by ``extra`` for the block."""
+    from torch._dynamo import config as dynamo_config
+
+    name = _recompile_limit_name()
+    with dynamo_config.patch(**{name: getattr(dynamo_config, name) + extra}):
+        yield
 
 
 def _measured_peak(

@@ -357,3 +357,20 @@ def test_compile_inside_an_autocast_context_plans_the_autocast_step() -> None:
     assert compiled.ckptplan_plan.autocast == "bfloat16"
     with pytest.raises(CkptPlanError, match="autocast=torch.float64"):
         ckptplan.compile(model, (x,), budget=1.0, backend="aot_eager", autocast=torch.float64)
+
+
+def test_dynamo_s_recompile_limit_reached_is_one_clear_sentence(monkeypatch) -> None:
+    """Each ``compile`` call compiles the model's forward once more; past Dynamo's limit a whole
+    graph cannot fall back to eager, and the user is told how to go on."""
+    from torch._dynamo import config as dynamo_config
+
+    from ckptplan.planner.compiled import _recompile_limit_name
+
+    monkeypatch.setattr(dynamo_config, _recompile_limit_name(), 2)
+    model, x = _mlp(), torch.randn(64, 64)
+    for _ in range(2):
+        ckptplan.compile(model, (x,), budget=1.0, solver="greedy", backend="aot_eager")
+    with pytest.raises(CkptPlanError, match=r"call torch.compiler.reset\(\) before compiling it again"):
+        ckptplan.compile(model, (x,), budget=1.0, solver="greedy", backend="aot_eager")
+    torch.compiler.reset()
+    ckptplan.compile(model, (x,), budget=1.0, solver="greedy", backend="aot_eager")
