@@ -389,13 +389,13 @@ def compile(
     partitions, again for another. Raises ``InfeasibleBudgetError`` when no partition found (or
     the plan's) fits the budget.
 
-    With ``backend="inductor"`` (and no ``plan``), ``compile`` also runs two training steps on
+    With ``backend="inductor"``, ``compile`` also runs two training steps on
     ``args`` and measures the second one's peak as the allocator counts it (``measure_step``):
     inductor's kernels may hold more than the model of the two graphs counts (a layout change
     for convolutions, a buffer computed early for a later kernel). A step measured over the
     budget is partitioned and compiled again for the budget less 1.5 times the overshoot so far,
-    up to ``MEASURED_TRIES`` times (a step that runs out of device memory there raises
-    ``CkptPlanError``); ``ckptplan_plan.measured_peak_bytes`` is the step's measured
+    up to ``MEASURED_TRIES`` times (a plan's partition is not made again: over the budget, it
+    raises; a step that runs out of device memory there raises ``CkptPlanError``); ``ckptplan_plan.measured_peak_bytes`` is the step's measured
     peak, ``ckptplan_attempts`` every partition measured. The steps leave the model's gradients,
     buffers and random number generators as they were (on CUDA they reset the peak-memory
     counter, ``torch.cuda.reset_peak_memory_stats``).
@@ -436,7 +436,7 @@ def compile(
         with _recompiles_allowed(attempt - 1):  # a partition made again does not use up the user's recompiles
             compiled = _compiled(model, args, kwargs or {}, partitioner, backend, autocast)
         found = partitioner.plans[-1]
-        if backend != "inductor" or plan is not None:
+        if backend != "inductor":
             break
         measured = _measured_peak(compiled, model, args, kwargs or {}, autocast, outputs_live)
         found = dataclasses.replace(found, measured_peak_bytes=measured)
@@ -445,6 +445,14 @@ def compile(
         over = measured - found.budget_bytes
         if over <= 0:
             break
+        if plan is not None:
+            raise InfeasibleBudgetError(
+                f"Inductor's compiled step with the plan's partition measured {format_bytes(measured)} "
+                f"({measured:,} bytes), over the budget of {format_bytes(found.budget_bytes)}; compile with a budget "
+                "instead of the plan (inductor's step is then measured and partitioned again), or with "
+                "backend='aot_eager', whose step the plan predicts exactly.",
+                budget_bytes=found.budget_bytes, min_peak_bytes=measured, least_plan=found,
+            )
         log.info("inductor's step measured %s, %s over the budget: partitioning again with that margin",
                  format_bytes(measured), format_bytes(over))
         if attempt == MEASURED_TRIES:

@@ -213,7 +213,7 @@ def test_the_partition_model_on_a_chain_by_hand() -> None:
     assert no_recompute(random) == frozenset({1, 2})
 
 
-def test_the_inductor_backend_takes_the_partition() -> None:
+def test_the_inductor_backend_takes_the_partition(monkeypatch) -> None:
     """Inductor compiles the graphs ckptplan cut; its kernels hold other buffers than the model
     counts, so ``compile`` measures the step, and leaves no gradients behind."""
     model, x = _mlp(dropout=0.1), torch.randn(256, 64)
@@ -225,6 +225,12 @@ def test_the_inductor_backend_takes_the_partition() -> None:
     assert plan.measured_peak_bytes <= plan.budget_bytes
     assert plan.measured_peak_bytes == _measured(compiled, x)
     _assert_trains_as_eager(compiled, model, reference, x)
+    # Its plan followed is measured too, and refused when over its budget (faked here).
+    from ckptplan.planner import compiled as compiled_module
+
+    monkeypatch.setattr(compiled_module, "_measured_peak", lambda *args: plan.budget_bytes + 1)
+    with pytest.raises(InfeasibleBudgetError, match="with the plan's partition measured .* over the budget"):
+        ckptplan.compile(model, (x,), backend="inductor", plan=plan.to_plan())
 
 
 def test_an_inductor_step_measured_over_the_budget_is_partitioned_again_for_less(monkeypatch) -> None:
