@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -481,12 +482,14 @@ def _compiled(
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import select_decomp_table
 
-        # Inductor's decompositions, so that the joint graph is the one inductor would partition;
-        # random ops as eager runs them (``fallback_random``), so that dropout draws eager's masks.
+        # Inductor's decompositions, its joint-graph passes and its input mutations kept in the
+        # graph, so that the joint graph is the one inductor would partition; random ops as eager
+        # runs them (``fallback_random``), so that dropout draws eager's masks.
         with inductor_config.patch(fallback_random=True):
             decompositions = select_decomp_table()
         backend_fn = aot_autograd(
-            fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partitioner, decompositions=decompositions,
+            fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=_as_inductor_partitions(partitioner),
+            decompositions=decompositions, keep_inference_input_mutations=True,
         )
         compiled = torch.compile(model, backend=backend_fn, fullgraph=True)
     else:
@@ -515,6 +518,21 @@ def _compiled(
     if partitioner.error is not None:
         raise partitioner.error
     return compiled
+
+
+def _as_inductor_partitions(partitioner: Partitioner) -> Any:
+    """``partitioner`` behind inductor's joint-graph passes (which fold transposes and drop
+    clones, among others), as inductor runs them before its partitioner, so that ``aot_eager``
+    partitions the joint graph inductor would: the same plan, the same fingerprint. Where torch
+    has no way to put a partitioner behind them (``partitioner_fn_override``), ``partitioner``
+    itself."""
+    import inspect
+
+    from torch._inductor import compile_fx
+
+    if "partitioner_fn_override" not in inspect.signature(compile_fx.partition_fn).parameters:
+        return partitioner
+    return functools.partial(compile_fx.partition_fn, partitioner_fn_override=partitioner)
 
 
 def _recompile_limit_name() -> str:

@@ -223,14 +223,18 @@ def test_the_inductor_backend_takes_the_partition(monkeypatch) -> None:
     assert plan.recomputed
     assert all(p.grad is None for p in model.parameters())  # compile measured the step, and left no gradients
     assert plan.measured_peak_bytes <= plan.budget_bytes
-    assert plan.measured_peak_bytes == _measured(compiled, x)
+    # The CPU allocator's count of this step varies between runs by up to one 64-KiB block.
+    assert abs(plan.measured_peak_bytes - _measured(compiled, x)) <= 64 * 1024
     _assert_trains_as_eager(compiled, model, reference, x)
-    # Its plan followed is measured too, and refused when over its budget (faked here).
+    # aot_eager partitions the same joint graph (after inductor's joint-graph passes): its plan
+    # applies under inductor, where it is measured too, and refused over its budget (faked here).
     from ckptplan.planner import compiled as compiled_module
 
-    monkeypatch.setattr(compiled_module, "_measured_peak", lambda *args: plan.budget_bytes + 1)
+    eager = ckptplan.compile(model, (x,), budget=0.8, backend="aot_eager").ckptplan_plan
+    assert eager.graph.fingerprint == plan.graph.fingerprint
+    monkeypatch.setattr(compiled_module, "_measured_peak", lambda *args: eager.budget_bytes + 1)
     with pytest.raises(InfeasibleBudgetError, match="with the plan's partition measured .* over the budget"):
-        ckptplan.compile(model, (x,), backend="inductor", plan=plan.to_plan())
+        ckptplan.compile(model, (x,), backend="inductor", plan=eager.to_plan())
 
 
 def test_an_inductor_step_measured_over_the_budget_is_partitioned_again_for_less(monkeypatch) -> None:
@@ -365,18 +369,18 @@ def test_compile_inside_an_autocast_context_plans_the_autocast_step() -> None:
         ckptplan.compile(model, (x,), budget=1.0, backend="aot_eager", autocast=torch.float64)
 
 
-def test_dynamo_s_recompile_limit_reached_is_one_clear_sentence(monkeypatch) -> None:
+def test_dynamo_s_recompile_limit_reached_is_one_clear_sentence() -> None:
     """Each ``compile`` call compiles the model's forward once more; past Dynamo's limit a whole
     graph cannot fall back to eager, and the user is told how to go on."""
     from torch._dynamo import config as dynamo_config
 
     from ckptplan.planner.compiled import _recompile_limit_name
 
-    monkeypatch.setattr(dynamo_config, _recompile_limit_name(), 2)
     model, x = _mlp(), torch.randn(64, 64)
-    for _ in range(2):
+    with dynamo_config.patch(**{_recompile_limit_name(): 2}):
+        for _ in range(2):
+            ckptplan.compile(model, (x,), budget=1.0, solver="greedy", backend="aot_eager")
+        with pytest.raises(CkptPlanError, match=r"call torch.compiler.reset\(\) before compiling it again"):
+            ckptplan.compile(model, (x,), budget=1.0, solver="greedy", backend="aot_eager")
+        torch.compiler.reset()
         ckptplan.compile(model, (x,), budget=1.0, solver="greedy", backend="aot_eager")
-    with pytest.raises(CkptPlanError, match=r"call torch.compiler.reset\(\) before compiling it again"):
-        ckptplan.compile(model, (x,), budget=1.0, solver="greedy", backend="aot_eager")
-    torch.compiler.reset()
-    ckptplan.compile(model, (x,), budget=1.0, solver="greedy", backend="aot_eager")
