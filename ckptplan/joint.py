@@ -99,6 +99,11 @@ class JointGraph:
         return sum(self.storage_bytes[s] for s in self.static_storages)
 
     @cached_property
+    def forward_roots(self) -> tuple[int, ...]:
+        """What the forward computes whatever it saves: its outputs and its effects."""
+        return (*self.forward_outputs, *self.effects)
+
+    @cached_property
     def saveable(self) -> tuple[int, ...]:
         """Forward values the backward reads directly: the candidates to save."""
         found = {i for v in self.values if v.phase == "backward" for i in v.inputs

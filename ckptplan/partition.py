@@ -52,7 +52,7 @@ class PartitionReport:
     live_at_peak: tuple[int, ...]  # values holding a storage at the peak, besides primals
 
 
-def _ancestors(graph: JointGraph, roots: Iterable[int]) -> set[int]:
+def forward_ancestors(graph: JointGraph, roots: Iterable[int]) -> set[int]:
     """Forward values reached from ``roots`` through forward values."""
     found: set[int] = set()
     stack = [r for r in roots if graph.values[r].phase == "forward"]
@@ -164,7 +164,7 @@ def simulate_partition(
             f"The backward needs {', '.join(sorted(missing)[:3])}, which it cannot compute again; save it."
         )
     forward = raise_getitems(
-        graph, sorted(_ancestors(graph, (*graph.forward_outputs, *graph.effects, *saved_set)))
+        graph, sorted(forward_ancestors(graph, (*graph.forward_roots, *saved_set)))
     )
     size = graph.storage_bytes
 

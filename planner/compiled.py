@@ -158,14 +158,14 @@ class Partitioner:
     def __init__(
         self, budget: str | float, *, roofline: Roofline, outputs_live: bool, name: str, solver: str = "auto",
         time_limit: float | None = None, follow: PartitionPlan | None = None, inputs: tuple[TensorSpec, ...] = (),
-        autocast: str | None = None,
+        autocast: str | None = None, margin_bytes: int = 0,
     ) -> None:
         self.budget, self.roofline, self.outputs_live, self.name = budget, roofline, outputs_live, name
         self.solver, self.time_limit = solver, time_limit
         self.follow = follow  # a plan file's saved set, used instead of solving
         self.inputs = inputs  # the step's tensor inputs, for the plan file
         self.autocast = autocast  # the dtype the forward runs under torch.autocast with, for the plan file
-        self.margin_bytes = 0  # solve for the budget less this (compile's measured check)
+        self.margin_bytes = margin_bytes  # solve for the budget less this (compile's measured check)
         self.plans: list[CompiledPlan] = []
         self.error: CkptPlanError | None = None
 
@@ -431,9 +431,8 @@ def compile(
         partitioner = Partitioner(
             budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__, solver=solver,
             time_limit=time_limit, follow=plan, inputs=inputs,
-            autocast=str(autocast).removeprefix("torch.") if autocast is not None else None,
+            autocast=str(autocast).removeprefix("torch.") if autocast is not None else None, margin_bytes=margin,
         )
-        partitioner.margin_bytes = margin
         with _recompiles_allowed(attempt - 1):  # a partition made again does not use up the user's recompiles
             compiled = _compiled(model, args, kwargs or {}, partitioner, backend, autocast)
         found = partitioner.plans[-1]

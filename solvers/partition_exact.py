@@ -44,7 +44,7 @@ from ortools.sat.python import cp_model
 
 from ckptplan.errors import CkptPlanError
 from ckptplan.joint import JointGraph
-from ckptplan.partition import PartitionReport, raise_getitems, simulate_partition
+from ckptplan.partition import PartitionReport, forward_ancestors, raise_getitems, simulate_partition
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import configure, solve_interruptibly
 from ckptplan.solvers.partition import no_recompute
@@ -167,14 +167,8 @@ class _Model:
     def _forward(self, forward_ids: list[int]) -> None:
         """``f_j``: the forward computes the ancestors of its outputs and effects, and of what
         it saves."""
-        graph, values, m = self.graph, self.graph.values, self.model
-        always: set[int] = set()
-        stack = [r for r in (*graph.forward_outputs, *graph.effects) if values[r].phase == "forward"]
-        while stack:
-            i = stack.pop()
-            if i not in always:
-                always.add(i)
-                stack.extend(j for j in values[i].inputs if values[j].phase == "forward")
+        graph, m = self.graph, self.model
+        always = forward_ancestors(graph, graph.forward_roots)
         for j in reversed(forward_ids):
             if j in always:
                 self.forward[j] = 1
