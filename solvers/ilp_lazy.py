@@ -269,7 +269,8 @@ def search_lazily(
     the most bytes; ``rows_per_round``: how many of the rows a plan breaks join after it (the
     fullest; None: all). ``within``: search only the plans in that range (``regions`` then
     only bounds the cost, and hints the search if it lies in the range; a range without plans
-    ends ``OPTIMAL``: none is cheaper). Ctrl-C ends the search with the best plan so far, and so
+    ends ``OPTIMAL``: none is cheaper). A ``regions`` with a region longer than ``window``
+    nodes is no plan of the model either, and is taken the same way. Ctrl-C ends the search with the best plan so far, and so
     does ``ctx``'s deadline when it comes before ``seconds`` have passed."""
     phase = ctx.within(seconds)
     model, v = build_model(graph, budget_bytes, window=window, deferred_phases=deferred_phases)
@@ -281,11 +282,14 @@ def search_lazily(
     deferred = len(v.deferred)
     slack = _slack(graph)
     best, best_cost, hinted, seeded = regions, math.inf, regions, 0
+    outside = False  # ``regions`` is no plan of this model: out of ``within``, or a region past the window
     if regions is not None:
         report = simulate(graph, regions)
         best_cost = report.cost_seconds
         seeded = _seed_rows(v, report, seeded_rows)
-        if within is not None and not within.holds(report):
+        outside = (within is not None and not within.holds(report)) or any(
+            region.end - region.start > v.window for region in regions)
+        if outside:
             # CP-SAT never sees this plan as a solution, so it would prune with the dearer ones it
             # finds; only plans no dearer matter (model costs are within ``slack`` of simulated ones).
             hinted = None
@@ -330,7 +334,7 @@ def search_lazily(
         if scored:
             ctx.report(bound_cost_seconds=bound / COST_SCALE)
         if code == cp_model.INFEASIBLE:
-            if within is not None:  # no plan in the range, so none cheaper than ``best``
+            if within is not None or outside:  # no plan of the model cheaper than ``best``
                 bound = math.inf
                 status = "OPTIMAL" if best is not None else "INFEASIBLE"
             elif best is None:

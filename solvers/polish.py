@@ -21,22 +21,35 @@ import math
 from collections.abc import Callable
 
 from ckptplan.graph import ComputeGraph
-from ckptplan.solvers import ilp_tuning as tuning
 from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.ilp_model import region_window
+from ckptplan.solvers.registry import LARGE_NODES
 from ckptplan.solvers.solution import Solution
 
 SHARE = 0.5  # of the time before the joint search (``remat_plans.JOINT_SHARE``): this phase's, at least
 MIN_SECONDS = 1.0  # the least time worth starting the portfolio for (its model's build comes first)
+# The longest regions, in nodes, the search allows first, then (each once the one before is
+# proven) wider, up to ``ilp``'s own window (docs/tuning.md, "polish").
+WINDOWS = (32, 64)
+MAX_NODES = LARGE_NODES  # larger graphs are left to the block-by-block plan
 CHOSE = "auto chose ilp: "  # how the notes of this phase's plans begin: it is ``auto``'s, and they are ``ilp``'s
 
 
 def polishes(graph: ComputeGraph, solver: str, limit: float) -> bool:
     """Whether a solve by ``solver`` with ``limit`` seconds ends with this phase on ``graph``:
-    ``auto`` on graphs of at most ``ilp_tuning.FLAT_MAX_NODES`` nodes (larger ones are searched
-    block by block, where the whole model's portfolio finds little in seconds), with a finite
-    limit whose ``SHARE`` is at least ``MIN_SECONDS``."""
-    return (solver == "auto" and len(graph.nodes) <= tuning.FLAT_MAX_NODES and math.isfinite(limit)
-            and limit * SHARE >= MIN_SECONDS)
+    ``auto`` on graphs of at most ``MAX_NODES`` nodes, with a finite limit whose ``SHARE`` is at
+    least ``MIN_SECONDS``."""
+    return solver == "auto" and len(graph.nodes) <= MAX_NODES and math.isfinite(limit) and limit * SHARE >= MIN_SECONDS
+
+
+def windows(graph: ComputeGraph) -> list[int]:
+    """The longest regions, in nodes, each stage of the search allows: ``WINDOWS`` below
+    ``ilp``'s own window on ``graph`` (``ilp_model.region_window``), then that window. A model
+    of shorter regions is smaller, and CP-SAT's portfolio finds cheap plans in it sooner: on the
+    Llama-shaped model of ``benchmarks/compare.py`` 32 nodes gave plans 16% cheaper in 10 s than
+    128 did in 60 s (docs/tuning.md, "polish")."""
+    full = region_window(graph, None)
+    return [window for window in WINDOWS if window < full] + [full]
 
 
 def polish(
@@ -49,9 +62,11 @@ def polish(
     onto: Callable[[Solution], Solution] | None = None,
 ) -> Solution:
     """The portfolio search (``ilp_flat.proof_phase``) from ``best`` (its regions when they are
-    one level, else from nothing) until ``ctx``'s deadline; ``best`` unless it finds a plan that
-    fits ``budget_bytes`` and costs strictly less, or proves ``best`` optimal among ``ilp``'s
-    one-level plans (then ``best`` says so, as ``ilp``'s, its regions' origin kept).
+    one level, else from nothing) until ``ctx``'s deadline, first among plans of regions no
+    longer than the first of ``windows``, then, each time a stage proves its plan the cheapest
+    there, the next; ``best`` unless it finds a plan that fits ``budget_bytes`` and costs
+    strictly less, or the last stage (``ilp``'s own window) proves ``best`` optimal among
+    ``ilp``'s one-level plans (then ``best`` says so, as ``ilp``'s, its regions' origin kept).
     ``solved_on``: the graph ``best``'s regions were solved on (None: ``graph``), whose plans
     ``onto`` makes plans of ``graph`` (rematerialising what they need). Ctrl-C ends the search
     with the best plan so far (``ctx.cancel`` set)."""
@@ -81,11 +96,19 @@ def _polish(
     start = best.regions if one_level else None
     phase = ctx if own else ctx.unscored()
     phase.report("portfolio search" + ("" if own else " with cheap ops rematerialised"))
-    found, regions = proof_phase(searched, budget_bytes, start, phase, seconds=ctx.left(), seed=0, window=None,
-                                 bound=0.0, announce=False)
-    portfolio = f"CP-SAT's portfolio for the time left ({found.describe()})"
+    stages = windows(searched)
+    regions = start
+    for window in stages:
+        # Each stage's bound holds for its window only (announce=False: none is reported as the solve's).
+        found, regions = proof_phase(searched, budget_bytes, regions, phase, seconds=ctx.left(), seed=0,
+                                     window=window, bound=0.0, announce=False)
+        if found.status != "OPTIMAL" or ctx.left() < MIN_SECONDS:
+            break
+    proven = found.status == "OPTIMAL" and window == stages[-1]  # over ``ilp``'s plans, not a narrower window's
+    shorter = "" if window == stages[-1] else f"regions of at most {window} nodes, "
+    portfolio = f"CP-SAT's portfolio for the time left ({shorter}{found.describe()})"
     if regions is None or regions == start:
-        if found.status == "OPTIMAL" and start is not None and own:  # proven by the model of ``ilp``'s plans
+        if proven and start is not None and own:  # proven by the model of ``ilp``'s plans
             return best.but(solver="ilp", status="optimal", gap=0.0, origin=best.origin or best.solver,
                             note=f"{CHOSE}the {best.solver} plan ({_own(best)}), proven optimal by {portfolio}")
         return best
@@ -93,7 +116,7 @@ def _polish(
     plan = bare.resimulated(graph, regions) if own or onto is None else onto(bare)
     if plan.peak_bytes > budget_bytes or plan.cost_seconds >= best.cost_seconds:
         return best
-    proven = found.status == "OPTIMAL" and own
+    proven = proven and own
     where = "" if own else " on the graph with cheap ops rematerialised"
     note = (f"{CHOSE}one-level regions with keep-sets{where}, from the {best.solver} plan costing "
             f"{best.cost_seconds * 1e3:.3g} ms, then {portfolio}" + (f"; {plan.note}" if plan.note else ""))

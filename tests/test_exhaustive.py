@@ -23,6 +23,7 @@ from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region
 from ckptplan.simulation import baseline_peak_bytes, simulate
+from ckptplan.solvers import polish as polish_module
 from ckptplan.solvers.auto import solve_auto
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.dp import solve_dp
@@ -90,12 +91,15 @@ def _budgets(graph: ComputeGraph, space: Space, count: int = 5) -> list[int]:
     return [*picked, baseline_peak_bytes(graph)]
 
 
-def _check(graph: ComputeGraph, spaces: dict[str, Space], claims: dict[str, str], budgets: list[int]) -> dict:
+def _check(
+    graph: ComputeGraph, spaces: dict[str, Space], claims: dict[str, str], budgets: list[int],
+    solvers: dict[str, Callable[[ComputeGraph, int], Plan]] = SOLVERS,
+) -> dict:
     """Solve at every budget with every solver and check its plan against the spaces; ``claims``
     names the space each solver's ``optimal`` is over. Returns how often each claim was checked."""
     checked = dict.fromkeys(claims, 0)
     for budget in budgets:
-        for name, solver in SOLVERS.items():
+        for name, solver in solvers.items():
             try:
                 plan = solver(graph, budget)
             except InfeasibleBudgetError as error:  # only a budget below the solver's reach may refuse
@@ -123,6 +127,29 @@ def test_residual_blocks_of_twelve_nodes() -> None:
     assert len(one_level.scored) == 13_156
     checked = _check(graph, {"one_level": one_level}, {"ilp": "one_level"}, _budgets(graph, one_level))
     assert checked["ilp"] >= 5, checked  # the optimum is proven and compared below the unplanned peak
+
+
+def test_the_portfolio_widens_its_window_and_claims_only_what_the_whole_model_proves(monkeypatch, caplog) -> None:
+    """``auto``'s portfolio searches plans of short regions first (``polish.WINDOWS``, here 2 and
+    4 nodes), then wider ones: at budgets where every plan of regions that short costs more than
+    the least, it still ends at the least, and its ``optimal`` is over every one-level plan. A
+    start with longer regions than a stage allows is no plan of its model, not a disagreement
+    between model and simulator."""
+    monkeypatch.setattr(polish_module, "WINDOWS", (2, 4))
+    graph = layout_graph(RESIDUAL_LAYOUT, name="residual")
+    plans = list(one_level_plans(graph))
+    one_level = Space(graph, plans, nested=False, keeps=True)
+    short = Space(graph, [p for p in plans if all(r.end - r.start <= 4 for r in p)], nested=False, keeps=True)
+    budgets = [b for b in _budgets(graph, one_level) if _dearer(short.least_cost(b), one_level.least_cost(b))]
+    assert budgets  # where the short regions' least is dearer
+    checked = _check(graph, {"one_level": one_level}, {"ilp": "one_level"}, budgets, solvers={"polish": _polished})
+    assert checked["ilp"] == len(budgets), checked
+    assert "rejects every plan" not in caplog.text
+
+
+def _dearer(cost: float | None, least: float | None) -> bool:
+    """Whether a space's least ``cost`` (None: no plan fits) is above ``least``."""
+    return least is not None and (cost is None or cost > least)
 
 
 def _small_unet() -> ComputeGraph:
