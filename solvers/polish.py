@@ -1,4 +1,4 @@
-"""The last phase of ``auto`` on graphs the whole CP-SAT model suits: CP-SAT's portfolio from the
+"""The last phase of ``auto`` on graphs of up to ``MAX_NODES`` nodes: CP-SAT's portfolio from the
 cheapest plans the reproducible phases made, until the solve's deadline.
 
 The reproducible phases (``sqrt``, ``dp``, ``ilp``'s block policies and its one-worker search on
@@ -8,7 +8,9 @@ limit gives them the same plans, and at short limits they end early: ``ilp`` ski
 when its share cannot pay for building the model twice. They get ``1 - SHARE`` of the limit;
 this phase takes the rest, with the time they leave unused. From their plans the portfolio's
 LP-based and neighbourhood workers find and often prove the optimum of the whole model within
-seconds, where the one worker sweeps it a window at a time (docs/tuning.md, "polish").
+seconds, where the one worker sweeps it a window at a time (docs/tuning.md, "polish"). It
+searches plans of short regions first (``WINDOWS``), whose model is smaller, and widens the
+regions to ``ilp``'s own window as each stage proves its plan.
 The portfolio is not deterministic: its plan can differ from run to run, is taken only when it
 costs strictly less than its start, and costs the same on every run that proves it optimal.
 
@@ -44,10 +46,9 @@ def polishes(graph: ComputeGraph, solver: str, limit: float) -> bool:
 
 def windows(graph: ComputeGraph) -> list[int]:
     """The longest regions, in nodes, each stage of the search allows: ``WINDOWS`` below
-    ``ilp``'s own window on ``graph`` (``ilp_model.region_window``), then that window. A model
-    of shorter regions is smaller, and CP-SAT's portfolio finds cheap plans in it sooner: on the
-    Llama-shaped model of ``benchmarks/compare.py`` 32 nodes gave plans 16% cheaper in 10 s than
-    128 did in 60 s (docs/tuning.md, "polish")."""
+    ``ilp``'s own window on ``graph`` (``ilp_model.region_window``), then that window. The model
+    of shorter regions is smaller, and the portfolio finds cheap plans in it sooner
+    (docs/tuning.md, "polish")."""
     full = region_window(graph, None)
     return [window for window in WINDOWS if window < full] + [full]
 
