@@ -32,11 +32,14 @@ from ckptplan.solvers.solution import Solution, solution
 log = logging.getLogger(__name__)
 
 STEP_DETERMINISTIC_SECONDS = 0.25  # CP-SAT's deterministic clock per neighbourhood step
-STEP_SECONDS = 1.5  # about what one step takes (docs/tuning.md, "remat_ilp")
+STEP_SECONDS = 0.3  # about what one step takes (docs/tuning.md, "remat_ilp")
+# The longest region the joint model allows, unless the start plan holds a longer one: the model's
+# size, and each step's presolve, grow with it (docs/tuning.md, "remat_ilp").
+WINDOW = 32
 
 # The least time worth a joint search: building the model comes first (about
 # ``tuning.BUILD_SECONDS_PER_PAIR`` per node and window step; docs/tuning.md, "remat_ilp").
-MIN_SECONDS = 5.0
+MIN_SECONDS = 1.5
 
 
 def affordable(graph: ComputeGraph, seconds: float | None) -> bool:
@@ -44,7 +47,7 @@ def affordable(graph: ComputeGraph, seconds: float | None) -> bool:
     decide, at most ``tuning.FLAT_MAX_NODES`` nodes, and time for more than building the model twice."""
     if not _remat.candidates(graph) or len(graph.nodes) > tuning.FLAT_MAX_NODES:
         return False
-    build = tuning.BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, None)
+    build = tuning.BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, WINDOW)
     return seconds is None or seconds >= max(MIN_SECONDS, 2 * build)
 
 
@@ -66,9 +69,9 @@ def search_with_remat(
     if any(r.children for r in start.regions):
         return None
     log.info("remat: choosing regions and rematerialised ops together, up to %.0f s", min(time_limit, ctx.left()))
-    # Regions at most a neighbourhood longer than the start's longest: each step frees one
-    # neighbourhood, and a smaller model makes each step's copy and presolve cheaper.
-    window = max(2 * tuning.LNS_WINDOW, max((r.end - r.start for r in start.regions), default=0) + tuning.LNS_WINDOW)
+    # Regions of at most WINDOW nodes, or the start's longest: a smaller model makes each step's
+    # copy and presolve cheaper.
+    window = max(WINDOW, max((r.end - r.start for r in start.regions), default=0))
     model, v = build_model(graph, budget_bytes, window=window, remat=_remat.candidates(graph))
     model.Minimize(v.cost)
     clock = time_limit * tuning.DETERMINISTIC_SECONDS_PER_SECOND

@@ -21,7 +21,7 @@ from ckptplan.solvers.solution import Solution, solution
 log = logging.getLogger(__name__)
 
 PLAIN_SHARE = 0.4  # with the joint search: the plain solve's part, to 1 - PLAIN_SHARE - JOINT_SHARE for the other solve
-JOINT_SHARE = 0.3  # of with_remat's time limit: the joint search
+JOINT_SHARE = 0.2  # of with_remat's time limit: the joint search (docs/tuning.md, "remat_ilp")
 SHED_SIMULATED_NODES = 20_000  # shed_remat simulates at most this many nodes' worth of plans (and 8 plans)
 
 
