@@ -270,8 +270,9 @@ def search_lazily(
     fullest; None: all). ``within``: search only the plans in that range (``regions`` then
     only bounds the cost, and hints the search if it lies in the range; a range without plans
     ends ``OPTIMAL``: none is cheaper). A ``regions`` with a region longer than ``window``
-    nodes is no plan of the model either, and is taken the same way. Ctrl-C ends the search with the best plan so far, and so
-    does ``ctx``'s deadline when it comes before ``seconds`` have passed."""
+    nodes is no plan of the model either, and is taken the same way. Ctrl-C ends the search
+    with the best plan so far, and so does ``ctx``'s deadline when it comes before ``seconds``
+    have passed."""
     phase = ctx.within(seconds)
     model, v = build_model(graph, budget_bytes, window=window, deferred_phases=deferred_phases)
     if deferred_phases:  # the relaxation's bound rests on them; the whole model's search does better without
