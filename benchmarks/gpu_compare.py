@@ -243,8 +243,10 @@ def run_compiled_family(family: Family, options: argparse.Namespace, device: tor
             _step(module, args, kwargs, family.autocast)  # compiles under the setting
         row(f"torch.compile, activation_memory_budget {knob}", module)
         del module
-    budgets: list[tuple[str, float | int]] = [(f"ckptplan.compile at {r['method'].split(', ')[1]}'s peak",
-                                               r["measured_peak_bytes"]) for r in rows]
+    budgets: list[tuple[str, float | int]] = [  # one knob row per setting, in KNOBS' order
+        (f"ckptplan.compile at activation_memory_budget {knob}'s peak", r["measured_peak_bytes"])
+        for knob, r in zip(KNOBS, rows, strict=True)
+    ]
     budgets.append(("ckptplan.compile at 0.5", 0.5))
     for method, budget in budgets:
         torch._dynamo.reset()
