@@ -10,13 +10,22 @@ simulates the two graphs a decision gives; ``ckptplan.solvers.partition`` makes 
 Values are nodes of the joint graph in its order, each with the storages it holds (a view
 shares its base's storage; a multi-output op holds all its outputs' storages, and each
 ``getitem`` its own one's).
+
+A random draw is never computed again as it ran: it would draw other numbers. Where the reader
+of the joint graph (``profiler.joint``) finds a dropout the backward reads, the forward draws it
+saving the generator's state, and the backward may *replay* it: draw the same mask again from
+that saved state (a few bytes) instead of holding the mask. The graph then holds the forward's
+own mask and what is computed from it, and a twin of each computed from the replayed mask,
+which is what the backward reads (``JointGraph.replays``). The forward never computes a twin:
+saving one means saving its original, which the backward then reads in its place
+(``JointGraph.reading_drawn``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal
 
@@ -36,6 +45,8 @@ class JointValue:
     ``multi_output``: its value is a tuple that ``getitem`` values take apart; never saved
     itself (its parts are). ``workspace_bytes``: what its kernel allocates and frees while it
     runs, beyond its outputs (measured by running it, where the tensors are real).
+    ``replay``: it draws a forward's random numbers again from their saved state (or takes such
+    a draw apart): the forward never computes it, and the backward computing it is recomputation.
     """
 
     index: int
@@ -49,6 +60,7 @@ class JointValue:
     recomputable: bool = True
     multi_output: bool = False
     workspace_bytes: int = 0
+    replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,10 @@ class JointGraph:
     computed for what they write, not for a reader (inductor's joint graph writes a batch
     norm's running statistics into its buffers with ``copy_``); the forward computes them, and
     what they read, whatever it saves. ``outputs_live``: the caller holds the forward's outputs
-    until backward ends (see ``ComputeGraph.outputs_live``).
+    until backward ends (see ``ComputeGraph.outputs_live``). ``replays``: pairs ``(twin,
+    original)``: a replayed mask, or a value computed from one, and the forward's own value it
+    stands for; saving either means the forward saves ``original`` and the backward reads it
+    for ``twin`` (``reading_drawn``).
     """
 
     name: str
@@ -72,6 +87,7 @@ class JointGraph:
     outputs_live: bool = True
     effects: tuple[int, ...] = ()
     priced_on: str | None = None
+    replays: tuple[tuple[int, int], ...] = ()
 
     @cached_property
     def users(self) -> tuple[tuple[int, ...], ...]:
@@ -121,8 +137,37 @@ class JointGraph:
         }
         if self.effects:
             payload["effects"] = list(self.effects)
+        if self.replays:
+            payload["replays"] = [list(pair) for pair in self.replays]
         blob = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    @cached_property
+    def drawn_for(self) -> dict[int, int]:
+        """For each twin of ``replays``, the forward's own value it stands for."""
+        return dict(self.replays)
+
+    def reading_drawn(self, saved: frozenset[int]) -> tuple[JointGraph, frozenset[int]]:
+        """The graph that runs when ``saved`` is saved, and what it saves: where ``saved`` holds a
+        twin or its original (``replays``), the forward saves the original, and whatever reads
+        the twin reads it instead (the twin then never runs)."""
+        swap = {r: d for r, d in self.replays if r in saved or d in saved}
+        if not swap:
+            return self, saved
+        key = frozenset(swap)
+        cache = self._read_drawn
+        if key not in cache:
+            values = tuple(
+                replace(v, inputs=tuple(dict.fromkeys(swap.get(i, i) for i in v.inputs)))
+                if any(i in swap for i in v.inputs) else v
+                for v in self.values
+            )
+            cache[key] = replace(self, values=values, replays=tuple(p for p in self.replays if p[0] not in swap))
+        return cache[key], frozenset(swap.get(i, i) for i in saved)
+
+    @cached_property
+    def _read_drawn(self) -> dict[frozenset[int], JointGraph]:
+        return {}
 
     def index_of(self, name: str) -> int:
         for value in self.values:

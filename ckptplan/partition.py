@@ -33,7 +33,8 @@ from ckptplan.joint import JointGraph
 @dataclass(frozen=True)
 class PartitionReport:
     """What a partition's step does. ``saved``: forward values handed to the backward;
-    ``recomputed``: forward values the forward computes and the backward computes again;
+    ``recomputed``: forward values the forward computes and the backward computes again
+    (a replayed random draw among them: see ``ckptplan.joint``);
     ``backward_order``: the values the backward graph computes, in order (recomputed ones and
     forward values only the backward needs among them); ``peak_at``: the value at which the
     step peaks (its phase says which graph)."""
@@ -135,10 +136,15 @@ def raise_getitems(graph: JointGraph, order: list[int]) -> list[int]:
             parts.setdefault(values[i].inputs[0], []).append(i)
     moved = {i for taken in parts.values() for i in taken}
     raised: list[int] = []
+
+    def put(i: int) -> None:
+        raised.append(i)
+        for part in parts.get(i, ()):  # a part that is a tuple itself is followed by its own parts
+            put(part)
+
     for i in order:
         if i not in moved:
-            raised.append(i)
-            raised.extend(parts.get(i, ()))
+            put(i)
     return raised
 
 
@@ -146,10 +152,11 @@ def simulate_partition(
     graph: JointGraph, saved: Iterable[int], notes: list[tuple[int, bool, int]] | None = None
 ) -> PartitionReport:
     """Simulate the step that saves ``saved`` (forward value indices; those the backward then
-    never reads are dropped, as the cut drops them). ``notes``, if given, receives every point
+    never reads are dropped, as the cut drops them; a saved replayed mask is the forward's own,
+    ``JointGraph.reading_drawn``). ``notes``, if given, receives every point
     the live bytes are read at, in order: ``(value, in_backward, live bytes)``, the value being
     the one computed there (-1: the backward's start), the bytes without the primals."""
-    saved_set = frozenset(saved)
+    graph, saved_set = graph.reading_drawn(frozenset(saved))
     values = graph.values
     for i in saved_set:
         if values[i].phase != "forward" or values[i].multi_output:
@@ -240,7 +247,8 @@ def simulate_partition(
     (forward_peak, _, _), (backward_peak, _, _) = best[False], best[True]
     in_backward = backward_peak > forward_peak
     _, peak_at, live_at_peak = best[in_backward]
-    twice = sorted(again & set(forward))
+    # Computed twice: what both graphs compute, and a random draw the backward replays.
+    twice = sorted(i for i in again if i in set(forward) or values[i].replay)
     return PartitionReport(
         peak_bytes=graph.static_bytes + max(forward_peak, backward_peak),
         forward_peak_bytes=graph.static_bytes + forward_peak,

@@ -49,7 +49,13 @@ from ckptplan.plan import (
 )
 from ckptplan.planner.measure import forward_autocast, measure_step
 from ckptplan.profiler.cost import A100, Roofline
-from ckptplan.profiler.joint import dropout_from_masks, is_tangent, read_joint
+from ckptplan.profiler.joint import (
+    dropout_from_masks,
+    is_tangent,
+    read_drawn_masks,
+    read_joint,
+    replayable_dropouts,
+)
 from ckptplan.profiler.trace import model_device_type
 from ckptplan.solvers.orchestrate import check_partition_solver, solve_partition_step
 from ckptplan.solvers.partition import Partition, no_recompute
@@ -182,6 +188,7 @@ class Partitioner:
             joint.graph = fx_graph_cse(joint.graph)
             joint.recompile()
         dropout_from_masks(joint)
+        replayable_dropouts(joint, num_fwd_outputs)
         graph = read_joint(
             joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live,
             workspaces=_real_device(joint),
@@ -216,6 +223,7 @@ class Partitioner:
                 budget_bytes=budget_bytes, min_peak_bytes=found.report.peak_bytes + self.margin_bytes,
                 least_plan=plan,
             )
+        read_drawn_masks(joint, plan.saved)
         nodes = {n.name: n for n in joint.graph.nodes}
         in_backward = {graph.values[i].name for i in found.report.backward_order}
         primals = [

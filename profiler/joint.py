@@ -4,18 +4,20 @@ Every node carries its value on fake tensors (``node.meta["val"]``): storages an
 come from those (a view shares its base's storage), FLOPs from ``torch.utils.flop_counter``'s
 formulas, time from the roofline. A node that depends on a tangent is the backward's; any other
 is the forward's, which the backward may compute again unless it draws random numbers or
-writes into a tensor.
+writes into a tensor. A dropout the backward reads may be replayed instead
+(``replayable_dropouts``; ``ckptplan.joint`` on replays).
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
@@ -77,6 +79,7 @@ def read_joint(
             flops=flops,
             recomputable=node.op == "call_function" and not _random(node) and not _writes(node),
             multi_output=isinstance(node.meta.get("val"), (tuple, list)),
+            replay=_replay(node),
         ))
     if output is None:
         raise ValueError("joint graph without an output node")
@@ -92,6 +95,8 @@ def read_joint(
     backward_outputs = [index[n] for n in returned[num_fwd_outputs:] if isinstance(n, fx.Node)]
     effects = [index[n] for n in joint.graph.nodes
                if n.op == "call_function" and n in index and not n.users and _writes(n) and n not in backward]
+    names = {n.name: n for n in index}
+    replays = [(index[n], index[names[n.meta[_REPLAYS]]]) for n in index if n.meta.get(_REPLAYS) in names]
     return JointGraph(
         name=name,
         values=tuple(values),
@@ -101,6 +106,7 @@ def read_joint(
         outputs_live=outputs_live,
         effects=tuple(effects),
         priced_on=roofline.source,
+        replays=tuple(replays),
     )
 
 
@@ -160,6 +166,139 @@ def dropout_from_masks(joint: fx.GraphModule) -> int:
     return rewritten
 
 
+# ``node.meta`` keys: on a node that computes in the backward what a forward node computes (a
+# replayed mask, or a value computed from it), that node's name; on every node the replay adds.
+_REPLAYS = "ckptplan_replays"
+_REPLAY_PART = "ckptplan_replay_part"
+
+
+def replayable_dropouts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Let the backward draw a dropout's mask again instead of holding it.
+
+    Each forward ``native_dropout`` whose mask is read by more than the forward's outputs need
+    (the backward, through ``dropout_from_masks``' product and the dropout's own gradient, both
+    forward nodes here) runs as ``run_and_save_rng_state``, which keeps the random number
+    generator's state before the draw (5,056 bytes on CPU, 16 on CUDA). Beside it,
+    ``run_with_rng_state`` draws the same mask again from that state, on a fresh tensor of the
+    input's layout (the mask depends on the input's shape and strides, not its values; the
+    generator is restored after it), and every forward node the backward reads through the mask
+    gets a twin computed from the replayed mask, which the backward reads instead. The forward
+    never computes the twins: a partition that saves one saves its original
+    (``JointGraph.reading_drawn``; the cut reads the original, ``read_drawn_masks``); one that
+    saves neither has the backward draw the mask again from the saved state. Dropouts with
+    symbolic shapes are left alone. Returns how many dropouts were rewritten."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    graph = joint.graph
+    output = graph.output_node()
+    for_outputs = _ancestors([n for n in list(output.args[0])[:num_fwd_outputs] if isinstance(n, fx.Node)])
+    backward = backward_nodes(joint)
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.native_dropout.default or node in backward:
+            continue
+        source, p, train = (list(node.args) + [None])[:3]
+        if not train or not isinstance(p, float) or not 0 < p < 1 or node.kwargs:
+            continue
+        parts = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+        mask = parts.get(1)
+        fake = source.meta.get("val")
+        if mask is None or not isinstance(fake, torch.Tensor):
+            continue
+        if not all(isinstance(d, int) for d in (*fake.shape, *fake.stride())):
+            continue
+        # The forward nodes computed from the mask that the forward's outputs do not need.
+        order = {n: k for k, n in enumerate(graph.nodes)}
+        chain: list[fx.Node] = []
+        for n in graph.nodes:
+            if n in backward or n in for_outputs or n.op != "call_function":
+                continue
+            if any(a is mask or a in chain for a in n.all_input_nodes):
+                chain.append(n)
+        if not any(user in backward for n in (mask, *chain) for user in n.users):
+            continue
+        drawn, op = node.meta["val"], node.target
+        with graph.inserting_before(node):
+            saving = graph.call_function(run_and_save_rng_state, (op, *node.args))
+            state = graph.call_function(operator.getitem, (saving, 0))
+            draw = graph.call_function(operator.getitem, (saving, 1))
+        with fake.fake_mode:
+            state_val = run_and_save_rng_state(op, *pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], node.args))[0]
+        if not isinstance(state_val, FakeTensor):
+            state_val = fake.fake_mode.from_tensor(state_val, static_shapes=True)
+        saving.meta["val"], state.meta["val"], draw.meta["val"] = (state_val, drawn), state_val, drawn
+        node.replace_all_uses_with(draw)
+        graph.erase_node(node)
+        last = max(parts.values(), key=lambda n: order[n])
+        # The replay's input: a fresh tensor of the dropout input's layout, so that replaying
+        # never needs the input itself.
+        with graph.inserting_after(last):
+            blank = graph.call_function(
+                torch.ops.aten.empty_strided.default, (list(fake.shape), list(fake.stride())),
+                {"dtype": fake.dtype, "device": fake.device},
+            )
+        with fake.fake_mode:
+            blank.meta["val"] = torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device)
+        with graph.inserting_after(blank):
+            replay = graph.call_function(run_with_rng_state, (state, op, blank, p, train))
+        with graph.inserting_after(replay):
+            replayed = graph.call_function(operator.getitem, (replay, 1))
+        with fake.fake_mode:
+            replay.meta["val"] = tuple(torch.empty_like(t) for t in drawn)
+        replayed.meta["val"] = replay.meta["val"][1]
+        twin = {mask: replayed}
+        for n in chain:
+            with graph.inserting_after(n):
+                copy = graph.node_copy(n, lambda a, twin=twin: twin.get(a, a))
+            with fake.fake_mode:
+                copy.meta["val"] = pytree.tree_map_only(torch.Tensor, torch.empty_like, n.meta["val"])
+            twin[n] = copy
+        for original, copy in twin.items():
+            copy.meta[_REPLAYS] = original.name
+            for user in list(original.users):
+                if user in backward:
+                    user.replace_input_with(original, copy)
+        for n in (blank, replay, *twin.values()):
+            n.meta[_REPLAY_PART] = True
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        joint.recompile()
+    return rewritten
+
+
+def read_drawn_masks(joint: fx.GraphModule, saved: Iterable[str]) -> None:
+    """Where ``saved`` (node names) holds a forward node that ``replayable_dropouts`` gave a
+    twin, let whatever reads the twin read it, so that the cut saves it; replay nodes nothing
+    reads then are removed (``JointGraph.reading_drawn``)."""
+    saved = set(saved)
+    graph = joint.graph
+    nodes = {n.name: n for n in graph.nodes}
+    changed = False
+    for node in list(graph.nodes):
+        if node.meta.get(_REPLAYS) in saved:
+            node.replace_all_uses_with(nodes[node.meta[_REPLAYS]])
+            changed = True
+    if not changed:
+        return
+    for node in reversed(list(graph.nodes)):
+        if node.meta.get(_REPLAY_PART) and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    joint.recompile()
+
+
+def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
+    found: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in found:
+            found.add(node)
+            stack.extend(node.all_input_nodes)
+    return found
+
+
 def _calls(joint: fx.GraphModule) -> list[Call]:
     """Each op node as ``measure_workspaces`` runs it: on fresh tensors of its arguments'
     shapes, strides and dtypes (stand-ins on ``meta``, which need no gradient)."""
@@ -176,9 +315,16 @@ def _calls(joint: fx.GraphModule) -> list[Call]:
         args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
         args, kwargs = pytree.tree_map(stand_in, (args, kwargs))
         target = node.target
+        if _replay(node):  # its state argument must be a generator's state: the one there is
+            device = node.args[2].meta["val"].device
 
-        def prepare(target: Any = target) -> tuple[Any, tuple]:
-            return (lambda a, k: target(*a, **k)), ()
+            def prepare(target: Any = target, device: torch.device = device) -> tuple[Any, tuple]:
+                state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+                return (lambda a, k: target(state, *a[1:], **k)), ()
+        else:
+
+            def prepare(target: Any = target) -> tuple[Any, tuple]:
+                return (lambda a, k: target(*a, **k)), ()
 
         calls.append(Call(node.name, call_key(target, args, kwargs), prepare, args, kwargs))
     return calls
@@ -211,7 +357,19 @@ def _flops(node: fx.Node) -> int:
 
 
 def _random(node: fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    return node.target is run_and_save_rng_state or torch.Tag.nondeterministic_seeded in getattr(
+        node.target, "tags", ())
+
+
+def _replay(node: fx.Node) -> bool:
+    """A replayed random draw, or a part of one."""
+    from torch._prims.rng_prims import run_with_rng_state
+
+    if node.target is operator.getitem and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node.target is run_with_rng_state
 
 
 def _writes(node: fx.Node) -> bool:

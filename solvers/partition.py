@@ -7,10 +7,11 @@ The search is greedy, in the manner of the memory-peak heuristics of Checkmate's
 of PyTorch's own partitioner: start from saving every forward value the backward reads (no
 recomputation), or from a partition the caller hands over when that is better; while the peak is over the budget, among the saved values live at the peak,
 stop saving the one that lowers the peak most per second of recomputation it adds (recomputed
-from what stays saved, or from its own inputs saved instead); then, in order of cost, save
+from what stays saved, from its own inputs saved instead, or with the dropout masks it would
+replay saved instead); then, in order of cost, save
 again each recomputed value whose saving keeps the peak within the budget. Values that draw
-random numbers or write to state are never recomputed: a dropout mask is saved, not drawn
-again, so gradients equal eager's.
+random numbers or write to state are never recomputed as they ran: a dropout mask is saved, or
+replayed from the generator's saved state (``ckptplan.joint``), so gradients equal eager's.
 """
 
 from __future__ import annotations
@@ -47,14 +48,15 @@ class Partition:
 
 def must_save(graph: JointGraph, saved: frozenset[int]) -> frozenset[int]:
     """``saved`` with every value the backward would need but cannot compute again."""
+    graph, saved = graph.reading_drawn(saved)
     while True:
         again = {i for i in backward_needs(graph, saved) if graph.values[i].phase == "forward"}
         missing = set()
-        for i in again:
-            if graph.values[i].recomputable:
-                continue
+        stack = [i for i in again if not graph.values[i].recomputable]
+        while stack:
+            i = stack.pop()
             if graph.values[i].multi_output:  # save the parts the backward needs instead
-                missing |= {j for j in graph.users[i] if j in again}
+                stack.extend(j for j in graph.users[i] if j in again)
             else:
                 missing.add(i)
         if not missing:
@@ -121,13 +123,17 @@ def _best_move(graph: JointGraph, report: PartitionReport, ctx: SolveContext | N
     best, best_score = None, (0, 0.0)
     for i in candidates:
         inputs = {j for j in values[i].inputs if values[j].phase == "forward" and not values[j].multi_output}
-        for option in (saved - {i}, (saved - {i}) | inputs):
+        options = [saved - {i}, (saved - {i}) | inputs]
+        for k, option in enumerate(options):  # grows: the first with its replayed masks saved instead
             if _over(ctx):
                 return best
             option = must_save(graph, frozenset(option))
             if option == saved:
                 continue
             trial = simulate_partition(graph, option)
+            replayed = {graph.drawn_for[j] for j in trial.recomputed if j in graph.drawn_for}
+            if k == 0 and replayed:
+                options.append(options[0] | replayed)
             gain = report.peak_bytes - trial.peak_bytes
             local = getattr(report, at_peak) - getattr(trial, at_peak)
             if gain < 0 or (gain == 0 and local <= 0):

@@ -13,7 +13,10 @@ Decisions and what follows from them, per forward value ``j`` the backward may n
   never saved (its parts are).
 * ``f_j``: the forward computes ``j`` (it is an ancestor of a forward output or of a saved
   value). The objective charges ``j``'s cost when both ``r_j`` and ``f_j`` hold: a value only
-  the backward needs is computed once, in the backward.
+  the backward needs is computed once, in the backward. A replayed random draw
+  (``JointValue.replay``) is never computed by the forward (``f_j = 0``) and is charged
+  whenever ``r_j`` holds; saving a replayed mask saves the forward's own, which the forward then
+  computes and holds (``JointGraph.reading_drawn``).
 * Where the backward computes ``j``: just before the first node of its fixed sequence (the
   backward nodes, and forward values the joint graph places among them, in joint order with each
   ``getitem`` raised after its tuple) that needs it through values computed again — the
@@ -169,12 +172,18 @@ class _Model:
         it saves."""
         graph, m = self.graph, self.model
         always = forward_ancestors(graph, graph.forward_roots)
+        replayed_by = {drawn: replayed for replayed, drawn in graph.replays}
         for j in reversed(forward_ids):
             if j in always:
                 self.forward[j] = 1
                 continue
+            if graph.values[j].replay or j in graph.drawn_for:  # the forward never computes a replay's values
+                self.forward[j] = 0
+                continue
             sources = [x for x in (self.saved.get(j, 0), *(self.forward.get(k, 0) for k in graph.users[j]))
                        if not isinstance(x, int)]
+            if j in replayed_by and not isinstance(self.saved.get(replayed_by[j], 0), int):
+                sources.append(self.saved[replayed_by[j]])
             if not sources:
                 self.forward[j] = 0
                 continue
@@ -274,6 +283,9 @@ class _Model:
             if values[j].cost <= 0 or isinstance(again, int):
                 continue
             weight = max(1, round(values[j].cost / top * COST_UNITS))  # what costs anything costs
+            if values[j].replay:  # a replayed draw is recomputation wherever the backward makes it
+                terms.append(weight * again)
+                continue
             if isinstance(self.forward.get(j, 0), int):
                 if self.forward.get(j, 0) == 1:
                     terms.append(weight * again)
@@ -344,8 +356,10 @@ class _Model:
         graph, at, values = self.graph, self.at, self.graph.values
         here = at.rank[i]
         outputs = set(graph.forward_outputs)
+        # A saved replayed mask is the forward's own: the forward computes and holds that one.
+        replayed_by = {drawn: replayed for replayed, drawn in graph.replays}
         for j, position in at.rank.items():
-            if position > here:
+            if position > here or j in graph.drawn_for:
                 continue
             computed = self.forward.get(j, 0)
             if isinstance(computed, int) and computed == 0:
@@ -353,8 +367,9 @@ class _Model:
             conditions: list[list[Literal_]] = []
             if j == i or j in outputs:
                 conditions.append([computed])
-            if j in self.saved and not (isinstance(self.saved[j], int) and self.saved[j] == 0):
-                conditions.append([self.saved[j]])
+            saved = self.saved.get(replayed_by.get(j, j), 0)
+            if not (isinstance(saved, int) and saved == 0):
+                conditions.append([saved])
             for k in graph.users[j]:
                 if values[k].phase == "forward" and at.rank[k] >= here:
                     conditions.append([self.forward.get(k, 0)])
@@ -442,9 +457,10 @@ class _Model:
         return frozenset(j for j, s in self.saved.items() if not isinstance(s, int) and value(s))
 
     def hint(self, saved: frozenset[int]) -> None:
+        drawn = self.graph.drawn_for
         for j, s in self.saved.items():
             if not isinstance(s, int):
-                self.model.AddHint(s, int(j in saved))
+                self.model.AddHint(s, int(j in saved or drawn.get(j) in saved))
 
 
 def solve_partition_exact(

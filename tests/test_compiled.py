@@ -103,8 +103,9 @@ def test_lower_budgets_measure_lower_peaks() -> None:
 
 
 def test_gradients_equal_eager_with_dropout() -> None:
-    """Dropout masks are drawn as eager draws them and saved, never drawn again: the compiled
-    step's gradients are eager's for the same random stream."""
+    """Dropout masks are drawn as eager draws them and saved or replayed from the generator's
+    saved state, never drawn anew: the compiled step's gradients are eager's for the same
+    random stream."""
     model, x = _mlp(dropout=0.2), torch.randn(256, 64)
     reference = copy.deepcopy(model)
     compiled = ckptplan.compile(model, (x,), budget=0.8, backend="aot_eager", outputs_live=False)
@@ -112,6 +113,41 @@ def test_gradients_equal_eager_with_dropout() -> None:
     random = [v for v in compiled.ckptplan_plan.graph.values if not v.recomputable and v.phase == "forward"]
     assert random and not {v.name for v in random} & set(compiled.ckptplan_plan.recomputed)
     _assert_trains_as_eager(compiled, model, reference, x)
+
+
+def _replayed(plan) -> list[str]:
+    return [name for name in plan.recomputed if plan.graph.values[plan.graph.index_of(name)].replay]
+
+
+def _step_and_generator(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    training_loss(module(x)).backward()
+    return torch.get_rng_state()
+
+
+def test_a_replayed_dropout_mask_is_eager_s_and_the_generator_ends_as_eager_s() -> None:
+    """Below the least peak that saving every dropout mask reaches (about 0.61 of the peak here),
+    the backward draws masks again from the generator state the forward saved: the gradients
+    are eager's, the generator ends where eager's does (the replay restores it), and the step
+    peaks as predicted."""
+    model, x = models.DropoutEverywhere(), torch.randn(512, 64)
+    reference = copy.deepcopy(model)
+    compiled = ckptplan.compile(model, (x,), budget=0.6, backend="aot_eager", outputs_live=False, time_limit=5)
+    plan = compiled.ckptplan_plan
+    assert _replayed(plan) and plan.peak_bytes <= plan.budget_bytes
+    assert 0 <= _measured(compiled, x) - plan.peak_bytes <= 64
+    assert torch.equal(_step_and_generator(compiled, x), _step_and_generator(reference, x))
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+    # Inductor runs the same partition (its step measures more than the model: budget doubled).
+    torch._dynamo.reset()
+    inductor = ckptplan.compile(model, (x,), budget=2 * plan.budget_bytes, backend="inductor",
+                                plan=compiled.ckptplan_plan.to_plan())
+    assert _replayed(inductor.ckptplan_plan) == _replayed(plan)
+    assert torch.equal(_step_and_generator(inductor, x), _step_and_generator(reference, x))
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
 
 
 def test_a_budget_below_the_least_peak_says_so() -> None:

@@ -47,6 +47,8 @@ def _random_joint(seed: int) -> JointGraph:
 
     primals = [add("x", "primal"), add("w", "primal")]
     forward: list[int] = []
+    replays: list[tuple[int, int]] = []
+    replayed: list[int] = []  # read by the backward only
     for k in range(rng.randint(3, 10)):
         inputs = rng.sample(primals + forward, min(len(primals + forward), rng.choice([1, 2])))
         if forward and not set(inputs) & set(forward):
@@ -55,6 +57,19 @@ def _random_joint(seed: int) -> JointGraph:
         if kind < 0.12 and forward:  # a view of a forward value: its storage
             source = max(i for i in inputs if i in forward)
             forward.append(add(f"view{k}", "forward", [source], storages=values[source].storages))
+        elif kind < 0.3 and forward:  # a draw whose mask the backward may replay from the saved state
+            # As ``read_joint`` has it: a tuple holds its parts' storages, each part its own.
+            size = rng.choice([4, 8])
+            parts = (new_storage(1), new_storage(rng.choice([8, 16])), new_storage(size))
+            draw = add(f"draw{k}", "forward", inputs, storages=parts, recomputable=False, multi_output=True, cost=1.0)
+            state, out, mask = (add(f"{name}{k}", "forward", [draw], storages=(part,))
+                                for name, part in zip(("state", "out", "mask"), parts, strict=True))
+            again = (new_storage(size), new_storage(rng.choice([0, 8])))
+            replay = add(f"replay{k}", "forward", [state], storages=again, multi_output=True, replay=True,
+                         cost=rng.choice([0.5, 1.0]), workspace_bytes=rng.choice([0, 8]))
+            replayed.append(add(f"replayed{k}", "forward", [replay], storages=again[:1], replay=True))
+            replays.append((replayed[-1], mask))
+            forward.append(out)
         elif kind < 0.22:  # a random draw: a tuple of two parts, neither drawn again
             draw = add(f"draw{k}", "forward", inputs, storages=(), recomputable=False, multi_output=True, cost=1.0)
             for part, size in enumerate((rng.choice([8, 16]), rng.choice([2, 4]))):
@@ -64,6 +79,8 @@ def _random_joint(seed: int) -> JointGraph:
             forward.append(add(f"op{k}", "forward", inputs, cost=rng.choice([0.0, 0.5, 1.0, 2.0, 3.0]) * rng.random(),
                                workspace_bytes=rng.choice([0, 0, 0, 4, 8])))
     grad = add("tangent", "tangent")
+    for k, j in enumerate(replayed):
+        grad = add(f"unmask{k}", "backward", [grad, j])
     for k, j in enumerate(reversed(forward)):
         if rng.random() < 0.55:
             reads = [j] if rng.random() < 0.5 else list(values[j].inputs)
@@ -72,7 +89,7 @@ def _random_joint(seed: int) -> JointGraph:
     first = [] if values[forward[0]].multi_output else [forward[0]]
     weight_grad = add("grad_w", "backward", [grad, *first])
     return JointGraph(f"random{seed}", tuple(values), tuple(sizes), forward_outputs=(forward[-1],),
-                      backward_outputs=(weight_grad,), outputs_live=rng.random() < 0.5)
+                      backward_outputs=(weight_grad,), outputs_live=rng.random() < 0.5, replays=tuple(replays))
 
 
 def _every_partition(graph: JointGraph) -> list[PartitionReport]:
