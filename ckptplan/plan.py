@@ -201,7 +201,8 @@ PARTITION_SCHEMA_VERSION = "ckptplan.partition/v1"
 class PartitionPrediction(_Frozen):
     """What ``ckptplan.partition`` says of a compiled step's partition: its peak (and each
     graph's), the peak saving everything the backward reads, and the work the backward repeats,
-    priced on ``priced_on`` (the joint graph's roofline)."""
+    priced on ``priced_on`` (the joint graph's roofline); ``replayed_masks``: the dropout masks
+    the backward draws again from the generator state the forward saved (``ckptplan.joint``)."""
 
     peak_bytes: int = Field(ge=0)
     forward_peak_bytes: int = Field(ge=0)
@@ -210,6 +211,7 @@ class PartitionPrediction(_Frozen):
     recompute_flops: int = Field(ge=0)
     recompute_seconds: float = Field(ge=0.0)
     priced_on: str | None = None
+    replayed_masks: int = Field(default=0, ge=0)
 
 
 class PartitionPlan(_Frozen):

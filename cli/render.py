@@ -123,7 +123,9 @@ def render_partition(console: Console, plan: PartitionPlan) -> None:
                  + f", {format_bytes(prediction.baseline_peak_bytes)} recomputing nothing"),
         ("recomputed", f"{len(plan.recomputed)} values, {format_flops(prediction.recompute_flops)} again"
                        + (f", priced on {_PRICED_ON.get(prediction.priced_on, prediction.priced_on)}"
-                          if plan.recomputed and prediction.priced_on else "")),
+                          if plan.recomputed and prediction.priced_on else "")
+                       + (f"; {prediction.replayed_masks} dropout mask(s) drawn again from the generator state "
+                          "the forward saved" if prediction.replayed_masks else "")),
         ("saved", f"{len(plan.saved)} forward values handed to the backward"),
         ("solver", f"{solver.name} in {solver.seconds:.1f} s{found}: {verdict}"),
     ]

@@ -114,6 +114,7 @@ class CompiledPlan:
                 backward_peak_bytes=report.backward_peak_bytes, baseline_peak_bytes=self.baseline_peak_bytes,
                 recompute_flops=report.recompute_flops, recompute_seconds=report.recompute_seconds,
                 priced_on=graph.priced_on,
+                replayed_masks=sum(1 for i in report.recomputed if graph.values[i].replay and graph.values[i].multi_output),
             ),
             saved=self.saved,
             recomputed=self.recomputed,

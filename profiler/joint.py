@@ -209,12 +209,12 @@ def replayable_dropouts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
             continue
         # The forward nodes computed from the mask that the forward's outputs do not need.
         order = {n: k for k, n in enumerate(graph.nodes)}
-        chain: list[fx.Node] = []
+        chain: dict[fx.Node, None] = {}  # in graph order
         for n in graph.nodes:
             if n in backward or n in for_outputs or n.op != "call_function":
                 continue
             if any(a is mask or a in chain for a in n.all_input_nodes):
-                chain.append(n)
+                chain[n] = None
         if not any(user in backward for n in (mask, *chain) for user in n.users):
             continue
         drawn, op = node.meta["val"], node.target

@@ -136,6 +136,7 @@ def test_a_replayed_dropout_mask_is_eager_s_and_the_generator_ends_as_eager_s() 
     compiled = ckptplan.compile(model, (x,), budget=0.6, backend="aot_eager", outputs_live=False, time_limit=5)
     plan = compiled.ckptplan_plan
     assert _replayed(plan) and plan.peak_bytes <= plan.budget_bytes
+    assert plan.to_plan().prediction.replayed_masks == sum(n.startswith("run_with_rng_state") for n in _replayed(plan))
     assert 0 <= _measured(compiled, x) - plan.peak_bytes <= 64
     assert torch.equal(_step_and_generator(compiled, x), _step_and_generator(reference, x))
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
