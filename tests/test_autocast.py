@@ -191,8 +191,10 @@ def test_cli_autocast_option(tmp_path: Path) -> None:
     mixed = runner.invoke(app, ["profile", str(model_file), "--json", "--autocast", "bf16"], catch_exceptions=False)
     assert plain.exit_code == 0 and mixed.exit_code == 0, mixed.output
     assert '"fingerprint"' in mixed.stdout and mixed.stdout != plain.stdout
+    # 0.95: the fp16 linears' measured workspaces vary with the CPU and its intra-op threads; sqrt's
+    # least has measured 0.91 and 0.94 of the peak.
     solved = runner.invoke(
-        app, ["solve", str(model_file), "--budget", "0.9", "--solver", "sqrt", "--autocast", "fp16", "--json"],
+        app, ["solve", str(model_file), "--budget", "0.95", "--solver", "sqrt", "--autocast", "fp16", "--json"],
         catch_exceptions=False,
     )
     assert solved.exit_code == 0, solved.output
