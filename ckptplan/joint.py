@@ -144,14 +144,34 @@ class JointGraph:
 
     @cached_property
     def drawn_for(self) -> dict[int, int]:
-        """For each twin of ``replays``, the forward's own value it stands for."""
-        return dict(self.replays)
+        """For each twin of ``replays``, the forward's own value it stands for at last (a twin
+        may stand for another twin, which stands for a forward value)."""
+        direct = dict(self.replays)
+        found = {}
+        for twin, first in direct.items():
+            original = first
+            while original in direct:
+                original = direct[original]
+            found[twin] = original
+        return found
+
+    @cached_property
+    def twins_of(self) -> dict[int, tuple[int, ...]]:
+        """For each original of ``drawn_for``, the twins that stand for it."""
+        found: dict[int, list[int]] = {}
+        for twin, original in self.drawn_for.items():
+            found.setdefault(original, []).append(twin)
+        return {original: tuple(twins) for original, twins in found.items()}
 
     def reading_drawn(self, saved: frozenset[int]) -> tuple[JointGraph, frozenset[int]]:
         """The graph that runs when ``saved`` is saved, and what it saves: where ``saved`` holds a
         twin or its original (``replays``), the forward saves the original, and whatever reads
-        the twin reads it instead (the twin then never runs)."""
-        swap = {r: d for r, d in self.replays if r in saved or d in saved}
+        one of its twins reads it instead (the twin then never runs)."""
+        if not self.replays:
+            return self, saved
+        drawn = self.drawn_for
+        saved = frozenset(drawn.get(i, i) for i in saved)
+        swap = {twin: original for twin, original in drawn.items() if original in saved}
         if not swap:
             return self, saved
         key = frozenset(swap)
@@ -163,7 +183,7 @@ class JointGraph:
                 for v in self.values
             )
             cache[key] = replace(self, values=values, replays=tuple(p for p in self.replays if p[0] not in swap))
-        return cache[key], frozenset(swap.get(i, i) for i in saved)
+        return cache[key], saved
 
     @cached_property
     def _read_drawn(self) -> dict[frozenset[int], JointGraph]:

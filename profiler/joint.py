@@ -79,7 +79,7 @@ def read_joint(
             flops=flops,
             recomputable=node.op == "call_function" and not _random(node) and not _writes(node),
             multi_output=isinstance(node.meta.get("val"), (tuple, list)),
-            replay=_replay(node),
+            replay=_replay(node) or bool(node.meta.get(_REMAKES)),
         ))
     if output is None:
         raise ValueError("joint graph without an output node")
@@ -124,13 +124,23 @@ def backward_nodes(joint: fx.GraphModule) -> set[fx.Node]:
     return found
 
 
+# ``node.meta`` keys: on a twin (a node that computes for the backward what a forward node
+# holds: a replayed mask, a value computed from one, a dropout's output made from its mask),
+# that node's name; on a twin that repeats the forward's work, True; on every node added for
+# the backward to make a value again, True.
+_REPLAYS = "ckptplan_replays"
+_REMAKES = "ckptplan_remakes"
+_REPLAY_PART = "ckptplan_replay_part"
+
+
 def dropout_from_masks(joint: fx.GraphModule) -> int:
     """Let the backward make a dropout's output again from its mask: where the backward reads
     ``native_dropout``'s output, it reads ``input * mask * (1 / (1 - p))`` instead, new nodes
     that depend on no tangent, so the partition may save the one-byte mask (and the input,
     often saved anyway) rather than the output, and never draws the mask again. The product is
-    the kernel's own (a kept element is ``input * scale``, a dropped one 0), bit for bit.
-    Returns how many dropouts were rewritten."""
+    the kernel's own (a kept element is ``input * scale``, a dropped one 0), bit for bit. It is
+    the output's twin (as ``replayable_dropouts`` makes twins): saving it saves the output, and
+    computing it counts as recomputation. Returns how many dropouts were rewritten."""
     graph = joint.graph
     backward = backward_nodes(joint)
     rewritten = 0
@@ -159,6 +169,8 @@ def dropout_from_masks(joint: fx.GraphModule) -> int:
             again.meta["val"] = kept.meta["val"] * (1.0 / (1.0 - p))
         for reader in readers:
             reader.replace_input_with(output, again)
+        again.meta[_REPLAYS], again.meta[_REMAKES] = output.name, True
+        kept.meta[_REPLAY_PART] = again.meta[_REPLAY_PART] = True
         rewritten += 1
     if rewritten:
         graph.lint()
@@ -166,10 +178,6 @@ def dropout_from_masks(joint: fx.GraphModule) -> int:
     return rewritten
 
 
-# ``node.meta`` keys: on a node that computes in the backward what a forward node computes (a
-# replayed mask, or a value computed from it), that node's name; on every node the replay adds.
-_REPLAYS = "ckptplan_replays"
-_REPLAY_PART = "ckptplan_replay_part"
 
 
 def replayable_dropouts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
@@ -268,16 +276,25 @@ def replayable_dropouts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
 
 
 def read_drawn_masks(joint: fx.GraphModule, saved: Iterable[str]) -> None:
-    """Where ``saved`` (node names) holds a forward node that ``replayable_dropouts`` gave a
-    twin, let whatever reads the twin read it, so that the cut saves it; replay nodes nothing
-    reads then are removed (``JointGraph.reading_drawn``)."""
+    """Where ``saved`` (node names) holds a forward node that has twins (``dropout_from_masks``,
+    ``replayable_dropouts``), let whatever reads a twin read it, so that the cut saves it; the
+    nodes added to make values again that nothing reads then are removed
+    (``JointGraph.reading_drawn``)."""
     saved = set(saved)
     graph = joint.graph
     nodes = {n.name: n for n in graph.nodes}
+
+    def original(node: fx.Node) -> str:
+        name = node.meta[_REPLAYS]
+        while name in nodes and _REPLAYS in nodes[name].meta:  # a twin of a twin
+            name = nodes[name].meta[_REPLAYS]
+        return name
+
+    swaps = [(node, original(node)) for node in graph.nodes if _REPLAYS in node.meta]
     changed = False
-    for node in list(graph.nodes):
-        if node.meta.get(_REPLAYS) in saved:
-            node.replace_all_uses_with(nodes[node.meta[_REPLAYS]])
+    for node, name in swaps:
+        if name in saved:
+            node.replace_all_uses_with(nodes[name])
             changed = True
     if not changed:
         return

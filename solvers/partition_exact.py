@@ -172,7 +172,7 @@ class _Model:
         it saves."""
         graph, m = self.graph, self.model
         always = forward_ancestors(graph, graph.forward_roots)
-        replayed_by = {drawn: replayed for replayed, drawn in graph.replays}
+        twins_of = graph.twins_of
         for j in reversed(forward_ids):
             if j in always:
                 self.forward[j] = 1
@@ -182,8 +182,7 @@ class _Model:
                 continue
             sources = [x for x in (self.saved.get(j, 0), *(self.forward.get(k, 0) for k in graph.users[j]))
                        if not isinstance(x, int)]
-            if j in replayed_by and not isinstance(self.saved.get(replayed_by[j], 0), int):
-                sources.append(self.saved[replayed_by[j]])
+            sources += [self.saved[t] for t in twins_of.get(j, ()) if not isinstance(self.saved.get(t, 0), int)]
             if not sources:
                 self.forward[j] = 0
                 continue
@@ -356,8 +355,8 @@ class _Model:
         graph, at, values = self.graph, self.at, self.graph.values
         here = at.rank[i]
         outputs = set(graph.forward_outputs)
-        # A saved replayed mask is the forward's own: the forward computes and holds that one.
-        replayed_by = {drawn: replayed for replayed, drawn in graph.replays}
+        # A saved twin is its original: the forward computes and holds that one.
+        twins_of = graph.twins_of
         for j, position in at.rank.items():
             if position > here or j in graph.drawn_for:
                 continue
@@ -367,9 +366,9 @@ class _Model:
             conditions: list[list[Literal_]] = []
             if j == i or j in outputs:
                 conditions.append([computed])
-            saved = self.saved.get(replayed_by.get(j, j), 0)
-            if not (isinstance(saved, int) and saved == 0):
-                conditions.append([saved])
+            for saved in (self.saved.get(j, 0), *(self.saved.get(t, 0) for t in twins_of.get(j, ()))):
+                if not (isinstance(saved, int) and saved == 0):
+                    conditions.append([saved])
             for k in graph.users[j]:
                 if values[k].phase == "forward" and at.rank[k] >= here:
                     conditions.append([self.forward.get(k, 0)])
@@ -404,7 +403,10 @@ class _Model:
             alive = 1 - self._at_most("e", self.end[j], time - 1, low, high)
             conditions: list[list[Literal_]] = []
             if not (isinstance(self.saved[j], int) and self.saved[j] == 0):
-                conditions.append([self.saved[j], alive])
+                # A saved twin is its original: that one's storages are held.
+                held = values[graph.drawn_for.get(j, j)].storages
+                for s in held:
+                    holds.setdefault(s, []).append([self.saved[j], alive])
             again = self.again(j)
             if not isinstance(again, int):
                 t, _ = self.time_of(j)

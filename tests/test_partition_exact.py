@@ -50,6 +50,9 @@ def _random_joint(seed: int) -> JointGraph:
     replays: list[tuple[int, int]] = []
     replayed: list[int] = []  # read by the backward only
     for k in range(rng.randint(3, 10)):
+        twins = {twin for twin, _ in replays}
+        if sum(v.phase == "forward" and not v.multi_output and v.index not in twins for v in values) >= 13:
+            break  # the oracle enumerates every subset of these
         inputs = rng.sample(primals + forward, min(len(primals + forward), rng.choice([1, 2])))
         if forward and not set(inputs) & set(forward):
             inputs.append(forward[-1])
@@ -69,6 +72,15 @@ def _random_joint(seed: int) -> JointGraph:
                          cost=rng.choice([0.5, 1.0]), workspace_bytes=rng.choice([0, 8]))
             replayed.append(add(f"replayed{k}", "forward", [replay], storages=again[:1], replay=True))
             replays.append((replayed[-1], mask))
+            if rng.random() < 0.5:  # the output made again from the mask, and from the replayed one
+                size = values[out].storages[0]
+                kept = add(f"kept{k}", "forward", [inputs[0], mask], cost=0.2)
+                remade = add(f"remade{k}", "forward", [kept], storages=(new_storage(sizes[size]),), replay=True,
+                             cost=0.3)
+                kept_twin = add(f"kept_twin{k}", "forward", [inputs[0], replayed[-1]], cost=0.2)
+                replayed.append(add(f"remade_twin{k}", "forward", [kept_twin], storages=(new_storage(sizes[size]),),
+                                    replay=True, cost=0.3))
+                replays += [(remade, out), (kept_twin, kept), (replayed[-1], remade)]
             forward.append(out)
         elif kind < 0.22:  # a random draw: a tuple of two parts, neither drawn again
             draw = add(f"draw{k}", "forward", inputs, storages=(), recomputable=False, multi_output=True, cost=1.0)
@@ -93,7 +105,9 @@ def _random_joint(seed: int) -> JointGraph:
 
 
 def _every_partition(graph: JointGraph) -> list[PartitionReport]:
-    forward = [v.index for v in graph.values if v.phase == "forward" and not v.multi_output]
+    # Saving a twin is saving its original (``JointGraph.reading_drawn``): enumerate originals.
+    forward = [v.index for v in graph.values
+               if v.phase == "forward" and not v.multi_output and v.index not in graph.drawn_for]
     found: dict[tuple[int, ...], PartitionReport] = {}
     for bits in range(1 << len(forward)):
         try:
