@@ -11,7 +11,7 @@ writes into a tensor. A dropout the backward reads may be replayed instead
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -133,6 +133,21 @@ _REMAKES = "ckptplan_remakes"
 _REPLAY_PART = "ckptplan_replay_part"
 
 
+def _training_dropouts(
+    graph: fx.Graph, backward: set[fx.Node]
+) -> Iterator[tuple[fx.Node, fx.Node, float, dict[int, fx.Node]]]:
+    """The forward's ``native_dropout`` nodes in training with a constant probability in (0, 1),
+    in graph order, each with its input, its probability and its ``getitem`` parts by index
+    (read as each is reached, so the caller may rewrite the graph between them)."""
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.native_dropout.default or node in backward:
+            continue
+        source, p, train = (list(node.args) + [None])[:3]
+        if not train or not isinstance(p, float) or not 0 < p < 1 or node.kwargs:
+            continue
+        yield node, source, p, {user.args[1]: user for user in node.users if user.target is operator.getitem}
+
+
 def dropout_from_masks(joint: fx.GraphModule) -> int:
     """Let the backward make a dropout's output again from its mask: where the backward reads
     ``native_dropout``'s output, it reads ``input * mask * (1 / (1 - p))`` instead, new nodes
@@ -144,13 +159,7 @@ def dropout_from_masks(joint: fx.GraphModule) -> int:
     graph = joint.graph
     backward = backward_nodes(joint)
     rewritten = 0
-    for node in list(graph.nodes):
-        if node.target is not torch.ops.aten.native_dropout.default or node in backward:
-            continue
-        source, p, train = (list(node.args) + [None])[:3]
-        if not train or not isinstance(p, float) or not 0 < p < 1:
-            continue
-        parts = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+    for node, source, p, parts in _training_dropouts(graph, backward):
         output = parts.get(0)
         readers = [user for user in output.users if user in backward] if output is not None else []
         if not readers:
@@ -178,8 +187,6 @@ def dropout_from_masks(joint: fx.GraphModule) -> int:
     return rewritten
 
 
-
-
 def replayable_dropouts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     """Let the backward draw a dropout's mask again instead of holding it.
 
@@ -202,13 +209,7 @@ def replayable_dropouts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     for_outputs = _ancestors([n for n in list(output.args[0])[:num_fwd_outputs] if isinstance(n, fx.Node)])
     backward = backward_nodes(joint)
     rewritten = 0
-    for node in list(graph.nodes):
-        if node.target is not torch.ops.aten.native_dropout.default or node in backward:
-            continue
-        source, p, train = (list(node.args) + [None])[:3]
-        if not train or not isinstance(p, float) or not 0 < p < 1 or node.kwargs:
-            continue
-        parts = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+    for node, source, p, parts in _training_dropouts(graph, backward):
         mask = parts.get(1)
         fake = source.meta.get("val")
         if mask is None or not isinstance(fake, torch.Tensor):
@@ -248,7 +249,7 @@ def replayable_dropouts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
         with fake.fake_mode:
             blank.meta["val"] = torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device)
         with graph.inserting_after(blank):
-            replay = graph.call_function(run_with_rng_state, (state, op, blank, p, train))
+            replay = graph.call_function(run_with_rng_state, (state, op, blank, p, True))
         with graph.inserting_after(replay):
             replayed = graph.call_function(operator.getitem, (replay, 1))
         with fake.fake_mode:
