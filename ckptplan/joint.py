@@ -12,12 +12,14 @@ shares its base's storage; a multi-output op holds all its outputs' storages, an
 ``getitem`` its own one's).
 
 A random draw is never computed again as it ran: it would draw other numbers. Where the reader
-of the joint graph (``profiler.joint``) finds a dropout the backward reads, the forward draws it
+of the joint graph (``profiler.joint``) finds a dropout in training, the forward draws it
 saving the generator's state, and the backward may *replay* it: draw the same mask again from
 that saved state (a few bytes) instead of holding the mask. The graph then holds the forward's
-own mask and what is computed from it, and a twin of each computed from the replayed mask,
-which is what the backward reads (``JointGraph.replays``). The forward never computes a twin:
-saving one means saving its original, which the backward then reads in its place
+own values computed from draws (the mask, the dropout's output, and every forward value after
+them, directly or not), and a twin of each computed from the replays, which is what the
+backward reads (``JointGraph.replays``); so the backward may compute anything downstream of a
+dropout again, as it may anything else. The forward never computes a twin: saving one means
+saving its original, which the backward then reads in its place
 (``JointGraph.reading_drawn``).
 """
 
@@ -74,8 +76,8 @@ class JointGraph:
     norm's running statistics into its buffers with ``copy_``); the forward computes them, and
     what they read, whatever it saves. ``outputs_live``: the caller holds the forward's outputs
     until backward ends (see ``ComputeGraph.outputs_live``). ``replays``: pairs ``(twin,
-    original)``: a replayed mask, or a value computed from one, and the forward's own value it
-    stands for; saving either means the forward saves ``original`` and the backward reads it
+    original)``: a replayed mask or dropout output, or a value computed from one, and the
+    forward's own value it stands for; saving either means the forward saves ``original`` and the backward reads it
     for ``twin`` (``reading_drawn``).
     """
 

@@ -201,8 +201,9 @@ PARTITION_SCHEMA_VERSION = "ckptplan.partition/v1"
 class PartitionPrediction(_Frozen):
     """What ``ckptplan.partition`` says of a compiled step's partition: its peak (and each
     graph's), the peak saving everything the backward reads, and the work the backward repeats,
-    priced on ``priced_on`` (the joint graph's roofline); ``replayed_masks``: the dropout masks
-    the backward draws again from the generator state the forward saved (``ckptplan.joint``)."""
+    priced on ``priced_on`` (the joint graph's roofline); ``replayed_masks``: how many times
+    the backward draws a dropout mask again from the generator state the forward saved (for the
+    mask, or for the dropout's output; ``ckptplan.joint``)."""
 
     peak_bytes: int = Field(ge=0)
     forward_peak_bytes: int = Field(ge=0)

@@ -50,6 +50,7 @@ from ckptplan.plan import (
 from ckptplan.planner.measure import forward_autocast, measure_step
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.joint import (
+    REPLAY_OP,
     dropout_from_masks,
     is_tangent,
     read_drawn_masks,
@@ -114,7 +115,7 @@ class CompiledPlan:
                 backward_peak_bytes=report.backward_peak_bytes, baseline_peak_bytes=self.baseline_peak_bytes,
                 recompute_flops=report.recompute_flops, recompute_seconds=report.recompute_seconds,
                 priced_on=graph.priced_on,
-                replayed_masks=sum(1 for i in report.recomputed if graph.values[i].replay and graph.values[i].multi_output),
+                replayed_masks=sum(1 for i in report.recomputed if graph.values[i].op == REPLAY_OP),
             ),
             saved=self.saved,
             recomputed=self.recomputed,
@@ -189,7 +190,7 @@ class Partitioner:
             joint.graph = fx_graph_cse(joint.graph)
             joint.recompile()
         dropout_from_masks(joint)
-        replayable_dropouts(joint, num_fwd_outputs)
+        replayable_dropouts(joint)
         graph = read_joint(
             joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live,
             workspaces=_real_device(joint),

@@ -10,6 +10,7 @@ writes into a tensor. A dropout the backward reads may be replayed instead
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -128,6 +129,7 @@ def backward_nodes(joint: fx.GraphModule) -> set[fx.Node]:
 # holds: a replayed mask, a value computed from one, a dropout's output made from its mask),
 # that node's name; on a twin that repeats the forward's work, True; on every node added for
 # the backward to make a value again, True.
+REPLAY_OP = "run_with_rng_state"  # a ``JointValue.op`` that draws a forward's random numbers again
 _REPLAYS = "ckptplan_replays"
 _REMAKES = "ckptplan_remakes"
 _REPLAY_PART = "ckptplan_replay_part"
@@ -187,45 +189,41 @@ def dropout_from_masks(joint: fx.GraphModule) -> int:
     return rewritten
 
 
-def replayable_dropouts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
-    """Let the backward draw a dropout's mask again instead of holding it.
+def replayable_dropouts(joint: fx.GraphModule) -> int:
+    """Let the backward draw a dropout's mask again instead of holding what depends on it.
 
-    Each forward ``native_dropout`` whose mask is read by more than the forward's outputs need
-    (the backward, through ``dropout_from_masks``' product and the dropout's own gradient, both
-    forward nodes here) runs as ``run_and_save_rng_state``, which keeps the random number
-    generator's state before the draw (5,056 bytes on CPU, 16 on CUDA). Beside it,
-    ``run_with_rng_state`` draws the same mask again from that state, on a fresh tensor of the
-    input's layout (the mask depends on the input's shape and strides, not its values; the
-    generator is restored after it), and every forward node the backward reads through the mask
-    gets a twin computed from the replayed mask, which the backward reads instead. The forward
-    never computes the twins: a partition that saves one saves its original
-    (``JointGraph.reading_drawn``; the cut reads the original, ``read_drawn_masks``); one that
-    saves neither has the backward draw the mask again from the saved state. Dropouts with
-    symbolic shapes are left alone. Returns how many dropouts were rewritten."""
+    Each forward ``native_dropout`` in training runs as ``run_and_save_rng_state``, which keeps
+    the random number generator's state before the draw (5,056 bytes on CPU, 16 on CUDA). Beside
+    it, ``run_with_rng_state`` draws the same mask again from that state, on a fresh tensor of
+    the input's layout (the mask depends on the input's shape and strides, not its values; the
+    generator is restored after it), and a second replay on the input gives the output again, bit
+    for bit (the kernel's own). Every other forward node computed from a draw, directly or
+    through others (the residual sum after a dropout, the layer norm and projections after it),
+    gets a twin computed from the replays and from its inputs' twins, and the backward reads the
+    twins instead: so the partition may recompute anything downstream of a dropout, as it may
+    anything else, without ever drawing a new mask (PyTorch's partitioner reaches the same
+    freedom by re-drawing, which changes the gradients). The forward never computes the twins:
+    a partition that saves one saves its original (``JointGraph.reading_drawn``; the cut reads
+    the original, ``read_drawn_masks``); one that saves neither has the backward compute it
+    again from what is saved and the generator states. Random ops and writes get no twin, and
+    the graph's outputs keep reading the originals. Dropouts with symbolic shapes are left
+    alone. Returns how many dropouts were rewritten."""
     from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
     graph = joint.graph
-    output = graph.output_node()
-    for_outputs = _ancestors([n for n in list(output.args[0])[:num_fwd_outputs] if isinstance(n, fx.Node)])
     backward = backward_nodes(joint)
+    twins: dict[fx.Node, fx.Node] = {}  # a forward node -> its twin, which the backward reads
+    machinery: set[fx.Node] = set()  # the nodes added here that are not twins of a forward node
+    replays_on_input: list[tuple[fx.Node, fx.Node]] = []  # (replay of the output, the dropout's input)
+    replay_parts: list[fx.Node] = []  # the replays and their blank inputs: removed by the cut when unread
     rewritten = 0
     for node, source, p, parts in _training_dropouts(graph, backward):
-        mask = parts.get(1)
         fake = source.meta.get("val")
-        if mask is None or not isinstance(fake, torch.Tensor):
+        if 1 not in parts or not isinstance(fake, torch.Tensor):
             continue
         if not all(isinstance(d, int) for d in (*fake.shape, *fake.stride())):
             continue
-        # The forward nodes computed from the mask that the forward's outputs do not need.
         order = {n: k for k, n in enumerate(graph.nodes)}
-        chain: dict[fx.Node, None] = {}  # in graph order
-        for n in graph.nodes:
-            if n in backward or n in for_outputs or n.op != "call_function":
-                continue
-            if any(a is mask or a in chain for a in n.all_input_nodes):
-                chain[n] = None
-        if not any(user in backward for n in (mask, *chain) for user in n.users):
-            continue
         drawn, op = node.meta["val"], node.target
         with graph.inserting_before(node):
             saving = graph.call_function(run_and_save_rng_state, (op, *node.args))
@@ -239,8 +237,8 @@ def replayable_dropouts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
         node.replace_all_uses_with(draw)
         graph.erase_node(node)
         last = max(parts.values(), key=lambda n: order[n])
-        # The replay's input: a fresh tensor of the dropout input's layout, so that replaying
-        # never needs the input itself.
+        # The mask's replay: on a fresh tensor of the dropout input's layout, so that replaying
+        # the mask never needs the input itself.
         with graph.inserting_after(last):
             blank = graph.call_function(
                 torch.ops.aten.empty_strided.default, (list(fake.shape), list(fake.stride())),
@@ -252,27 +250,58 @@ def replayable_dropouts(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
             replay = graph.call_function(run_with_rng_state, (state, op, blank, p, True))
         with graph.inserting_after(replay):
             replayed = graph.call_function(operator.getitem, (replay, 1))
+        made = [blank, replay, replayed]
+        twins[parts[1]] = replayed
+        if 0 in parts:  # the output's replay, on the input (or the input's twin: set below)
+            with graph.inserting_after(replayed):
+                on_input = graph.call_function(run_with_rng_state, (state, op, source, p, True))
+            with graph.inserting_after(on_input):
+                output = graph.call_function(operator.getitem, (on_input, 0))
+            replays_on_input.append((on_input, source))
+            twins[parts[0]] = output
+            made += [on_input, output]
         with fake.fake_mode:
-            replay.meta["val"] = tuple(torch.empty_like(t) for t in drawn)
+            for n in made:
+                if n.target is run_with_rng_state:
+                    n.meta["val"] = tuple(torch.empty_like(t) for t in drawn)
         replayed.meta["val"] = replay.meta["val"][1]
-        twin = {mask: replayed}
-        for n in chain:
-            with graph.inserting_after(n):
-                copy = graph.node_copy(n, lambda a, twin=twin: twin.get(a, a))
-            with fake.fake_mode:
-                copy.meta["val"] = pytree.tree_map_only(torch.Tensor, torch.empty_like, n.meta["val"])
-            twin[n] = copy
-        for original, copy in twin.items():
-            copy.meta[_REPLAYS] = original.name
-            for user in list(original.users):
-                if user in backward:
-                    user.replace_input_with(original, copy)
-        for n in (blank, replay, *twin.values()):
-            n.meta[_REPLAY_PART] = True
+        if 0 in parts:
+            output.meta["val"] = on_input.meta["val"][0]
+        machinery.update((saving, state, draw, *(n for n in made if n.target is not operator.getitem)))
+        replay_parts.extend(n for n in made if n.target is not operator.getitem)
         rewritten += 1
-    if rewritten:
-        graph.lint()
-        joint.recompile()
+    if not rewritten:
+        return 0
+    # Twins of the forward nodes computed from a draw, in graph order (a twin's inputs come first).
+    for n in list(graph.nodes):
+        if n in backward or n.op != "call_function" or n in machinery or n in twins.values():
+            continue
+        if _random(n) or _writes(n) or not any(a in twins for a in n.all_input_nodes):
+            continue
+        with graph.inserting_after(n):
+            copy = graph.node_copy(n, lambda a: twins.get(a, a))
+        value = n.meta.get("val")
+        fake_mode = next((t.fake_mode for t in pytree.tree_leaves(value) if isinstance(t, FakeTensor)), None)
+        args, kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], (copy.args, copy.kwargs))
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            copy.meta["val"] = copy.target(*args, **kwargs)  # its own storage, or a view of its input twin's
+        twins[n] = copy
+    for on_input, source in replays_on_input:
+        if source in twins:
+            on_input.replace_input_with(source, twins[source])
+    for original, twin in twins.items():
+        twin.meta[_REPLAY_PART] = True
+        if not isinstance(original.meta.get("val"), (tuple, list)):  # a tuple's parts stand for it
+            twin.meta[_REPLAYS] = original.name
+        if twin.target is not operator.getitem or not _replay(twin):
+            twin.meta[_REMAKES] = True  # never computed by the forward (a replay's part is one already)
+        for user in list(original.users):
+            if user in backward and user.op != "output":
+                user.replace_input_with(original, twin)
+    for n in replay_parts:
+        n.meta[_REPLAY_PART] = True
+    graph.lint()
+    joint.recompile()
     return rewritten
 
 

@@ -116,3 +116,20 @@ class KwargsAndDataclass(nn.Module):
         hidden = torch.tanh(self.mix(self.embed(ids)))
         logits = self.out(hidden) / temperature
         return Output(loss=F.cross_entropy(logits.flatten(0, 1), targets.flatten()), hidden=hidden)
+
+
+class ResidualDropout(nn.Module):
+    """Pre-norm residual blocks whose branch ends in dropout, as a transformer's MLP does: the
+    residual stream after the first block is computed from dropout draws."""
+
+    def __init__(self, width: int = 64, depth: int = 8, hidden: int = 64) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
+        self.ups = nn.ModuleList(nn.Linear(width, hidden) for _ in range(depth))
+        self.downs = nn.ModuleList(nn.Linear(hidden, width) for _ in range(depth))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, up, down in zip(self.norms, self.ups, self.downs, strict=True):
+            x = x + self.drop(down(F.gelu(up(norm(x)))))
+        return x

@@ -151,6 +151,24 @@ def test_a_replayed_dropout_mask_is_eager_s_and_the_generator_ends_as_eager_s() 
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
 
 
+def test_the_backward_computes_again_what_follows_a_dropout_from_the_replayed_draws() -> None:
+    """A residual stream and the projections after a dropout are computed from its draws: the
+    backward computes them again from twins that read the replays (a projection of the next
+    block among them), and the step still trains as eager's, generator included."""
+    model, x = models.ResidualDropout(), torch.randn(512, 64)
+    reference = copy.deepcopy(model)
+    compiled = ckptplan.compile(model, (x,), budget=0.5, backend="aot_eager", outputs_live=False, time_limit=5)
+    plan = compiled.ckptplan_plan
+    graph = plan.graph
+    again = [graph.index_of(name) for name in plan.recomputed]
+    after = {graph.values[graph.drawn_for[i]].op for i in again if i in graph.drawn_for}
+    assert "aten.addmm.default" in after and plan.peak_bytes <= plan.budget_bytes
+    assert 0 <= _measured(compiled, x) - plan.peak_bytes <= 64
+    assert torch.equal(_step_and_generator(compiled, x), _step_and_generator(reference, x))
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+
+
 def test_a_budget_below_the_least_peak_says_so() -> None:
     x = torch.randn(1024, 64)
     with pytest.raises(InfeasibleBudgetError) as caught:
