@@ -5,7 +5,8 @@
 
 For each model, its joint graph as ``ckptplan.compile`` reads it (recomputation priced in FLOPs,
 ``profiler.cost.FLOPS``; the loop dropping the outputs) and each budget, a fraction of the
-step's peak with nothing recomputed: the greedy search alone (``solvers.partition``) and
+step's peak with nothing recomputed: from the starts ``compile`` hands it (PyTorch's min-cut
+partitions), the greedy search alone (``solvers.partition``) and
 ``solve_partition_step``'s ``auto`` and ``exact`` (the greedy search, then the exact CP-SAT
 model, ``solvers.partition_exact``, for the rest of the time), each with its predicted peak, the
 FLOPs the backward computes again, what was proved and the seconds it took. Writes
@@ -26,18 +27,32 @@ import torch
 import ckptplan
 from ckptplan.joint import JointGraph
 from ckptplan.partition import simulate_partition
+from ckptplan.planner import compiled
 from ckptplan.profiler.cost import FLOPS
 from ckptplan.solvers.orchestrate import PARTITION_SOLVERS, solve_partition_step
 from ckptplan.solvers.partition import no_recompute
 
 
-def joint_graph(name: str) -> JointGraph:
+def joint_graph(name: str) -> tuple[JointGraph, list[list[int]]]:
+    """The joint graph ``ckptplan.compile`` reads for model ``name``, and the starts it hands the
+    search (PyTorch's min-cut partitions, ``planner.compiled._min_cut_starts``)."""
     work = compare.CASES[name].build()
+    starts: list[list[int]] = []
+    made = compiled._min_cut_starts
+
+    def recording(*args: Any, **kwargs: Any) -> list[list[int]]:
+        starts[:] = made(*args, **kwargs)
+        return starts
+
     torch._dynamo.reset()
-    module = ckptplan.compile(work.model, work.args, work.kwargs, budget=1.0, backend="aot_eager", solver="greedy",
-                              outputs_live=False, roofline=FLOPS)
+    compiled._min_cut_starts = recording
+    try:
+        module = ckptplan.compile(work.model, work.args, work.kwargs, budget=1.0, backend="aot_eager",
+                                  solver="greedy", outputs_live=False, roofline=FLOPS)
+    finally:
+        compiled._min_cut_starts = made
     torch._dynamo.reset()
-    return module.ckptplan_plan.graph
+    return module.ckptplan_plan.graph, starts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,13 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| model | joint nodes | budget | solver | peak (MiB) | GFLOP again | found by | proved | seconds |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name in names:
-        graph = joint_graph(name)
+        graph, starts = joint_graph(name)
         baseline = simulate_partition(graph, no_recompute(graph)).peak_bytes
         for fraction in fractions:
             budget = int(fraction * baseline)
             for solver in solvers:
                 started = time.perf_counter()
-                found = solve_partition_step(graph, budget, solver=solver, time_limit=options.time_limit)
+                found = solve_partition_step(graph, budget, solver=solver, time_limit=options.time_limit,
+                                             starts=starts)
                 seconds = time.perf_counter() - started
                 report = found.report
                 rows.append({"model": name, "joint_nodes": len(graph.values), "fraction": fraction,
