@@ -283,8 +283,12 @@ def replayable_dropouts(joint: fx.GraphModule) -> int:
         value = n.meta.get("val")
         fake_mode = next((t.fake_mode for t in pytree.tree_leaves(value) if isinstance(t, FakeTensor)), None)
         args, kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], (copy.args, copy.kwargs))
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            copy.meta["val"] = copy.target(*args, **kwargs)  # its own storage, or a view of its input twin's
+        try:
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                copy.meta["val"] = copy.target(*args, **kwargs)  # its own storage, or a view of its input twin's
+        except Exception:  # noqa: BLE001 (an op fake tensors cannot run: no twin; the backward reads the original)
+            graph.erase_node(copy)
+            continue
         twins[n] = copy
     for on_input, source in replays_on_input:
         if source in twins:
