@@ -125,11 +125,12 @@ def backward_nodes(joint: fx.GraphModule) -> set[fx.Node]:
     return found
 
 
-# ``node.meta`` keys: on a twin (a node that computes for the backward what a forward node
-# holds: a replayed mask, a value computed from one, a dropout's output made from its mask),
-# that node's name; on a twin that repeats the forward's work, True; on every node added for
-# the backward to make a value again, True.
 REPLAY_OP = "run_with_rng_state"  # a ``JointValue.op`` that draws a forward's random numbers again
+
+# ``node.meta`` keys: on a twin (a node that computes for the backward what a forward node
+# holds: a replayed mask or dropout output, a value computed from one, a dropout's output made
+# from its mask), that node's name; on a twin that repeats the forward's work, True; on every
+# node added for the backward to make a value again, True.
 _REPLAYS = "ckptplan_replays"
 _REMAKES = "ckptplan_remakes"
 _REPLAY_PART = "ckptplan_replay_part"
@@ -213,9 +214,8 @@ def replayable_dropouts(joint: fx.GraphModule) -> int:
     graph = joint.graph
     backward = backward_nodes(joint)
     twins: dict[fx.Node, fx.Node] = {}  # a forward node -> its twin, which the backward reads
-    machinery: set[fx.Node] = set()  # the nodes added here that are not twins of a forward node
     replays_on_input: list[tuple[fx.Node, fx.Node]] = []  # (replay of the output, the dropout's input)
-    replay_parts: list[fx.Node] = []  # the replays and their blank inputs: removed by the cut when unread
+    replay_parts: set[fx.Node] = set()  # the replays and their blank inputs: removed by the cut when unread
     rewritten = 0
     for node, source, p, parts in _training_dropouts(graph, backward):
         fake = source.meta.get("val")
@@ -267,14 +267,14 @@ def replayable_dropouts(joint: fx.GraphModule) -> int:
         replayed.meta["val"] = replay.meta["val"][1]
         if 0 in parts:
             output.meta["val"] = on_input.meta["val"][0]
-        machinery.update((saving, state, draw, *(n for n in made if n.target is not operator.getitem)))
-        replay_parts.extend(n for n in made if n.target is not operator.getitem)
+        replay_parts.update(n for n in made if n.target is not operator.getitem)
         rewritten += 1
     if not rewritten:
         return 0
     # Twins of the forward nodes computed from a draw, in graph order (a twin's inputs come first).
     for n in list(graph.nodes):
-        if n in backward or n.op != "call_function" or n in machinery or n in twins.values():
+        # (The replays are not twinned: the output's reads the input's twin, set below.)
+        if n in backward or n.op != "call_function" or n in replay_parts or n in twins.values():
             continue
         if _random(n) or _writes(n) or not any(a in twins for a in n.all_input_nodes):
             continue
@@ -337,17 +337,6 @@ def read_drawn_masks(joint: fx.GraphModule, saved: Iterable[str]) -> None:
             graph.erase_node(node)
     graph.lint()
     joint.recompile()
-
-
-def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
-    found: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node not in found:
-            found.add(node)
-            stack.extend(node.all_input_nodes)
-    return found
 
 
 def _calls(joint: fx.GraphModule) -> list[Call]:
