@@ -52,12 +52,17 @@ def read_joint(
             output = node
             break
         tensors = _tensors(node.meta.get("val"))
+        base = _viewed(node)
         storages = []
         for t in tensors:
             key = StorageWeakRef(t.untyped_storage())
             if key not in storage_of:
-                storage_of[key] = len(storage_bytes)
-                storage_bytes.append(t.untyped_storage().nbytes())
+                if base is not None and base in index and values[index[base]].storages:
+                    # A view whose fake value lost its base's storage (a graph pass made it anew).
+                    storage_of[key] = values[index[base]].storages[0]
+                else:
+                    storage_of[key] = len(storage_bytes)
+                    storage_bytes.append(t.untyped_storage().nbytes())
             if storage_of[key] not in storages:
                 storages.append(storage_of[key])
         phase: Phase
@@ -76,7 +81,7 @@ def read_joint(
             phase=phase,
             inputs=tuple(dict.fromkeys(index[n] for n in node.all_input_nodes)),
             storages=tuple(storages),
-            cost=roofline.seconds(flops, moved) if node.op == "call_function" else 0.0,
+            cost=roofline.seconds(flops, moved, _drawn(node)) if node.op == "call_function" else 0.0,
             flops=flops,
             recomputable=node.op == "call_function" and not _random(node) and not _writes(node),
             multi_output=isinstance(node.meta.get("val"), (tuple, list)),
@@ -394,6 +399,36 @@ def _flops(node: fx.Node) -> int:
         return int(formula(*args, out_val=node.meta.get("val"), **kwargs))
     except Exception:  # noqa: BLE001 (a formula that does not fit this call counts nothing)
         return 0
+
+
+def _viewed(node: fx.Node) -> fx.Node | None:
+    """The input whose storage ``node``'s output views, by its op's schema (``permute``,
+    ``view``, ``t``, ``expand``, ...); None for an op that returns new storage or writes."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.returns:
+        return None
+    alias = schema.returns[0].alias_info
+    if alias is None or alias.is_write:
+        return None
+    for k, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.before_set == alias.before_set:
+            value = node.args[k] if k < len(node.args) else node.kwargs.get(argument.name)
+            return value if isinstance(value, fx.Node) else None
+    return None
+
+
+def _drawn(node: fx.Node) -> int:
+    """How many random numbers ``node`` draws: the elements of a random op's (or its replay's)
+    first tensor out; 0 for the parts of a tuple (the call that makes them draws)."""
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    if node.target is operator.getitem or not (_random(node) or _replay(node)):
+        return 0
+    value = node.meta.get("val")
+    if node.target is run_and_save_rng_state:  # (generator state, the op's value)
+        value = value[1] if isinstance(value, (tuple, list)) and len(value) == 2 else None
+    tensors = _tensors(value)
+    return tensors[0].numel() if tensors else 0
 
 
 def _random(node: fx.Node) -> bool:
