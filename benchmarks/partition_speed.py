@@ -27,7 +27,6 @@ import torch
 import ckptplan
 from ckptplan.joint import JointGraph
 from ckptplan.partition import simulate_partition
-from ckptplan.planner import compiled
 from ckptplan.profiler.cost import FLOPS
 from ckptplan.solvers.orchestrate import PARTITION_SOLVERS, solve_partition_step
 from ckptplan.solvers.partition import no_recompute
@@ -35,24 +34,13 @@ from ckptplan.solvers.partition import no_recompute
 
 def joint_graph(name: str) -> tuple[JointGraph, list[list[int]]]:
     """The joint graph ``ckptplan.compile`` reads for model ``name``, and the starts it hands the
-    search (PyTorch's min-cut partitions, ``planner.compiled._min_cut_starts``)."""
+    search (PyTorch's min-cut partitions, ``Partitioner.starts``)."""
     work = compare.CASES[name].build()
-    starts: list[list[int]] = []
-    made = compiled._min_cut_starts
-
-    def recording(*args: Any, **kwargs: Any) -> list[list[int]]:
-        starts[:] = made(*args, **kwargs)
-        return starts
-
     torch._dynamo.reset()
-    compiled._min_cut_starts = recording
-    try:
-        module = ckptplan.compile(work.model, work.args, work.kwargs, budget=1.0, backend="aot_eager",
-                                  solver="greedy", outputs_live=False, roofline=FLOPS)
-    finally:
-        compiled._min_cut_starts = made
+    module = ckptplan.compile(work.model, work.args, work.kwargs, budget=1.0, backend="aot_eager",
+                              solver="greedy", outputs_live=False, roofline=FLOPS)
     torch._dynamo.reset()
-    return module.ckptplan_plan.graph, starts
+    return module.ckptplan_plan.graph, module.ckptplan_partitioner.starts
 
 
 def main(argv: list[str] | None = None) -> int:

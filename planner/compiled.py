@@ -175,6 +175,7 @@ class Partitioner:
         self.autocast = autocast  # the dtype the forward runs under torch.autocast with, for the plan file
         self.margin_bytes = margin_bytes  # solve for the budget less this (compile's measured check)
         self.plans: list[CompiledPlan] = []
+        self.starts: list[list[int]] = []  # the last search's starts (PyTorch's partitions), as value indices
         self.error: CkptPlanError | None = None
 
     def __call__(
@@ -190,7 +191,13 @@ class Partitioner:
             joint.graph = fx_graph_cse(joint.graph)
             joint.recompile()
         dropout_from_masks(joint)
+        searching = self.follow is None
+        # PyTorch's partitions of the step as it would cut it, dropouts drawn once (its own
+        # choices), then of the step whose backward may replay them (choices only twins allow).
+        starts = _min_cut_starts(joint, num_fwd_outputs, kwargs) if searching else []
         replayable_dropouts(joint)
+        if searching:
+            starts += _min_cut_starts(joint, num_fwd_outputs, kwargs)
         graph = read_joint(
             joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live,
             workspaces=_real_device(joint),
@@ -201,9 +208,11 @@ class Partitioner:
         if self.follow is not None:
             found = self._followed(graph, budget_bytes)
         else:
+            names = {v.name: v.index for v in graph.values if v.phase == "forward" and not v.multi_output}
+            self.starts = [[names[name] for name in start if name in names] for start in starts]
             found = solve_partition_step(
                 graph, budget_bytes - self.margin_bytes, solver=self.solver, time_limit=self.time_limit,
-                starts=_min_cut_starts(joint, graph, num_fwd_outputs, kwargs),
+                starts=self.starts,
             )
         requested = self.budget if isinstance(self.budget, str) else repr(self.budget)
         plan = CompiledPlan(graph, budget_bytes, baseline.peak_bytes, found.report, solver=found.origin,
@@ -297,18 +306,15 @@ MEASURED_TRIES = 3
 _MIN_CUT_STARTS = (1.0, 0.5, 0.0)
 
 
-def _min_cut_starts(
-    joint: fx.GraphModule, graph: JointGraph, num_fwd_outputs: int, kwargs: dict[str, Any]
-) -> list[list[int]]:
+def _min_cut_starts(joint: fx.GraphModule, num_fwd_outputs: int, kwargs: dict[str, Any]) -> list[list[str]]:
     """What PyTorch's min-cut partitioner saves at a few memory budgets (at 1.0 it saves the
-    inputs of cheap pointwise chains rather than their outputs), as value indices: starts for
-    the search, which makes them valid first (where min-cut recomputes a random op, the
-    search saves what the backward needs of it instead). Each runs on a copy, since it tags the
-    graph it cuts; one that fails is left out."""
+    inputs of cheap pointwise chains rather than their outputs), as node names: starts for the
+    search, which makes them valid first (where min-cut recomputes a random op, the search
+    saves what the backward needs of it instead). Each runs on a copy, since it tags the graph
+    it cuts; one that fails is left out."""
     from torch._functorch import config as functorch_config
     from torch._functorch import partitioners
 
-    names = {v.name: v.index for v in graph.values if v.phase == "forward" and not v.multi_output}
     starts = []
     for budget in _MIN_CUT_STARTS:
         try:
@@ -320,7 +326,7 @@ def _min_cut_starts(
             log.debug("min-cut partition at budget %s failed (%s); not a start", budget, exc)
             continue
         returned = list(forward.graph.output_node().args[0])[num_fwd_outputs:]
-        starts.append([names[n.name] for n in returned if isinstance(n, fx.Node) and n.name in names])
+        starts.append([n.name for n in returned if isinstance(n, fx.Node)])
     return starts
 
 
