@@ -39,7 +39,7 @@ class _Sin(nn.Module):
 
 
 def measure_roofline(device: str | torch.device = "cpu", *, repeats: int = 15) -> Roofline:
-    """Time a matmul, an elementwise add, a tiny op, and checkpointed and rematerialising steps of a small chain
+    """Time a matmul, an elementwise add, a tiny op, a random draw, and checkpointed and rematerialising steps of a small chain
     on ``device`` with torch's current thread settings (medians of ``repeats`` runs; about a
     second on CPU). The fixed costs are differences of medians, floored at 0."""
     device = torch.device(device)
@@ -64,6 +64,7 @@ def measure_roofline(device: str | torch.device = "cpu", *, repeats: int = 15) -
         bandwidth = 3 * x.element_size() * STREAM_ELEMENTS / median_seconds(lambda: x + x)
         one = torch.ones(1, device=device)
         op_seconds = median_seconds(lambda: one + one, inner=200)
+        draw_seconds = median_seconds(lambda: x.bernoulli_(0.5)) / STREAM_ELEMENTS  # dropout's draw
     region_seconds, region_op_seconds, policy_op_seconds, remat_seconds = _checkpoint_costs(
         device, sync, repeats, op_seconds
     )
@@ -75,6 +76,7 @@ def measure_roofline(device: str | torch.device = "cpu", *, repeats: int = 15) -
         region_op_seconds=region_op_seconds,
         policy_op_seconds=policy_op_seconds,
         remat_seconds=remat_seconds,
+        draw_seconds=draw_seconds,
         source="measured",
     )
     log.info("measured on %s: %s", device, roofline)

@@ -1,8 +1,10 @@
 """Time estimates for ops and for checkpointing's own machinery, so pointwise ops that FLOP
 counters ignore still cost time, and so do the regions and selective policies a plan adds.
 
-An op's time is ``op_seconds + max(flops / peak_flops, bytes_moved / bandwidth)``: the roofline
-(Williams et al. 2009, "Roofline") plus a fixed launch/dispatch cost per op.
+An op's time is ``op_seconds + max(flops / peak_flops, bytes_moved / bandwidth, drawn * draw_seconds)``:
+the roofline (Williams et al. 2009, "Roofline") with a third ceiling for random numbers drawn
+(dropout's masks: their generator's integer work, which FLOP counters do not see), plus a fixed
+launch/dispatch cost per op.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ class Roofline:
     op that saves its output) adds besides the op's own time: recording how to recompute it in
     forward, and the saved-tensor hooks (Python) that pack what the saving op stores in forward
     and unpack it in backward.
+    ``draw_seconds``: the time one random number takes to draw, on the generator's arithmetic
+    alone: Philox4x32-10 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3", the
+    generator of CUDA's dropout) runs 10 rounds of two 32-bit multiply-highs and a few xors and adds
+    per 4 numbers, about ``PHILOX_OPS_PER_NUMBER`` integer operations per number, which an A100
+    runs at its 19.5 TOPS INT32 datasheet rate: a GPU's dropout stays memory-bound, a CPU's is
+    not (``measure_roofline`` times one).
     ``priced_in``: what a cost-second stands for, ``"seconds"`` or ``"flops"`` (``FLOPS``: 10¹²
     FLOPs), so that a plan's overhead can say whether it is a share of the step's time or FLOPs.
     ``source``: where the numbers come from, for the plan to say: ``"a100"`` (``A100``),
@@ -47,19 +55,28 @@ class Roofline:
     region_op_seconds: float = 0.0
     policy_op_seconds: float = 0.0
     remat_seconds: float = 0.0
+    draw_seconds: float = 0.0
     priced_in: Literal["seconds", "flops"] = "seconds"
     source: Literal["a100", "measured", "flops", "custom"] = "custom"
 
-    def seconds(self, flops: float, bytes_moved: float) -> float:
-        return self.op_seconds + max(flops / self.peak_flops_per_s, bytes_moved / self.bandwidth_bytes_per_s)
+    def seconds(self, flops: float, bytes_moved: float, drawn: int = 0) -> float:
+        """An op's time: ``flops`` as ``FlopCounterMode`` counts them, ``bytes_moved`` read and
+        written, ``drawn`` random numbers drawn."""
+        return self.op_seconds + max(
+            flops / self.peak_flops_per_s, bytes_moved / self.bandwidth_bytes_per_s, drawn * self.draw_seconds
+        )
 
 
-A100 = Roofline(source="a100")
+PHILOX_OPS_PER_NUMBER = 20  # (10 rounds x (2 multiplies, each a high and a low word, + 2 xors + 2 key adds)) / 4 numbers
+A100 = Roofline(draw_seconds=PHILOX_OPS_PER_NUMBER / 19.5e12, source="a100")
 
 # Recomputation priced in FLOPs as ``torch.utils.flop_counter.FlopCounterMode`` counts them
 # (matmul-like ops only), one cost-second per 10¹² FLOPs: a plan's cost is then its recompute
 # FLOPs, and its overhead those FLOPs over the step's. A byte moved costs a thousandth of a
 # FLOP: among plans recomputing as many FLOPs the one moving fewer bytes wins, and bytes
 # outweigh a matmul only where the ops weighed against it move a thousand times more bytes than
-# it does FLOPs. No fixed costs.
-FLOPS = Roofline(peak_flops_per_s=1e12, bandwidth_bytes_per_s=1e15, priced_in="flops", source="flops")
+# it does FLOPs. A random number drawn costs its generator's integer operations as FLOPs
+# (``PHILOX_OPS_PER_NUMBER``), so that drawing a dropout mask again is not priced as a copy. No
+# fixed costs.
+FLOPS = Roofline(peak_flops_per_s=1e12, bandwidth_bytes_per_s=1e15, draw_seconds=PHILOX_OPS_PER_NUMBER / 1e12,
+                 priced_in="flops", source="flops")

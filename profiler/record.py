@@ -76,6 +76,7 @@ class _AllocationMeter(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         self.saw_random = False
+        self.drawn = 0  # random numbers drawn since start(): the first tensor out of each random op
         self.cache_dtype: torch.dtype | None = None  # autocast's dtype, when its cache is on
         self.cached_casts: list[torch.Tensor] = []
         self.made_by_last_save: frozenset[int] = frozenset()  # keys allocated when autograd last saved
@@ -97,6 +98,7 @@ class _AllocationMeter(TorchDispatchMode):
         self._known = existing
         self.current_bytes = self.peak_bytes = 0
         self.saw_random = False
+        self.drawn = 0
         self.cached_casts = []
         self.made_by_last_save = frozenset()
         self.freed = 0
@@ -136,7 +138,9 @@ class _AllocationMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = _as_eager(func, args, func(*args, **(kwargs or {})))
-        self.saw_random = self.saw_random or torch.Tag.nondeterministic_seeded in func.tags
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.saw_random = True
+            self.drawn += next((t.numel() for t in _tensors(out)), 0)
         if self.cache_dtype is not None and _is_cached_cast(func, args, kwargs or {}, self.cache_dtype):
             self.cached_casts.append(out)
         self._prune()
@@ -502,7 +506,7 @@ def _record_node(
     kept = {storage_key(t) for t in (*_tensors(out), *saved_log, *casts)}
     fwd_workspace = max(0, counter.alloc.peak_bytes - counter.alloc.alive_bytes(kept))
     fwd_freed = counter.alloc.freed_bytes()
-    random = counter.alloc.saw_random
+    random, drawn = counter.alloc.saw_random, counter.alloc.drawn
 
     out_tensors = _tensors(out)
     outputs: list[int] = []
@@ -569,7 +573,7 @@ def _record_node(
         fwd_freed_bytes=int(fwd_freed),
         made_by_last_save=tuple(made_by_last_save),
         bytes_moved=int(bytes_moved),
-        fwd_cost=recorder.roofline.seconds(fwd_flops, bytes_moved),
+        fwd_cost=recorder.roofline.seconds(fwd_flops, bytes_moved, drawn),
         bwd_cost=recorder.roofline.seconds(bwd_flops, 2 * bytes_moved) if requires_grad else 0.0,
     )
     rec.nodes.append(node)
