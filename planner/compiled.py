@@ -302,8 +302,9 @@ def _real_device(joint: fx.GraphModule) -> torch.device | None:
 # each time for a budget lower by 1.5 times the overshoot so far (docs/limits.md, "Compiled steps").
 MEASURED_TRIES = 3
 
-# The memory-budget settings of PyTorch's min-cut partitioner whose partitions start the search.
-_MIN_CUT_STARTS = (1.0, 0.5, 0.0)
+# The memory-budget settings of PyTorch's min-cut partitioner whose partitions start the search:
+# the settings benchmarks/compile_compare.py sets ckptplan against (docs/tuning.md, "Cost models").
+_MIN_CUT_STARTS = (1.0, 0.8, 0.5, 0.2, 0.0)
 
 
 def _min_cut_starts(joint: fx.GraphModule, num_fwd_outputs: int, kwargs: dict[str, Any]) -> list[list[str]]:
