@@ -39,9 +39,10 @@ class _Sin(nn.Module):
 
 
 def measure_roofline(device: str | torch.device = "cpu", *, repeats: int = 15) -> Roofline:
-    """Time a matmul, an elementwise add, a tiny op, a random draw, and checkpointed and rematerialising steps of a small chain
-    on ``device`` with torch's current thread settings (medians of ``repeats`` runs; about a
-    second on CPU). The fixed costs are differences of medians, floored at 0."""
+    """Time a matmul, an elementwise add, a tiny op, a random draw, and checkpointed and
+    rematerialising steps of a small chain on ``device`` with torch's current thread settings
+    (medians of ``repeats`` runs; about a second on CPU). The fixed costs are differences of
+    medians, floored at 0."""
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 

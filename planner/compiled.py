@@ -205,7 +205,7 @@ class Partitioner:
         baseline = simulate_partition(graph, no_recompute(graph))
         budget_bytes = parse_budget(self.budget, baseline.peak_bytes)
         started = time.perf_counter()
-        if self.follow is not None:
+        if not searching:
             found = self._followed(graph, budget_bytes)
         else:
             names = {v.name: v.index for v in graph.values if v.phase == "forward" and not v.multi_output}

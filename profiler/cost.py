@@ -67,7 +67,9 @@ class Roofline:
         )
 
 
-PHILOX_OPS_PER_NUMBER = 20  # (10 rounds x (2 multiplies, each a high and a low word, + 2 xors + 2 key adds)) / 4 numbers
+# Philox4x32-10's integer operations per number: 10 rounds of (2 multiplies, each a high and a
+# low word, + 2 xors + 2 key adds), per 4 numbers.
+PHILOX_OPS_PER_NUMBER = 20
 A100 = Roofline(draw_seconds=PHILOX_OPS_PER_NUMBER / 19.5e12, source="a100")
 
 # Recomputation priced in FLOPs as ``torch.utils.flop_counter.FlopCounterMode`` counts them

@@ -41,7 +41,8 @@ def test_an_op_costs_its_flops_a_thousandth_of_a_flop_per_byte_and_its_generator
         drawn = node.output_bytes // 4 if node in dropouts else 0
         least = max(node.fwd_flops, node.bytes_moved / 1000, PHILOX_OPS_PER_NUMBER * drawn) / 1e12
         assert node.fwd_cost >= least * (1 - 1e-9) if node.random else node.fwd_cost == pytest.approx(least)
-    assert all(node.fwd_cost == pytest.approx(PHILOX_OPS_PER_NUMBER * node.output_bytes / 4 / 1e12) for node in dropouts)
+    for node in dropouts:
+        assert node.fwd_cost == pytest.approx(PHILOX_OPS_PER_NUMBER * node.output_bytes / 4 / 1e12)
     assert graph.region_cost == graph.region_op_cost == graph.policy_op_cost == graph.remat_cost == 0.0
     assert graph.priced_in == "flops" and ckptplan.make_plan(graph, []).prediction.priced_in == "flops"
     assert ckptplan.profile(model, args).priced_in == "seconds"
