@@ -196,6 +196,8 @@ class Plan(_Frozen):
 
 
 PARTITION_SCHEMA_VERSION = "ckptplan.partition/v1"
+# Inductor settings a compiled step's plan may record (``planner.compiled.MODELLED_INDUCTOR``).
+InductorOption = Literal["reorder_for_peak_memory", "layout_optimization"]
 
 
 class PartitionPrediction(_Frozen):
@@ -220,7 +222,10 @@ class PartitionPlan(_Frozen):
     graph the forward saves for the backward; the backward computes the others it needs again.
     Values are named as in the joint graph; ``model.fingerprint`` is the joint graph's
     (``JointGraph.fingerprint``) and ``model.node_count`` its values. ``solver.name`` is the
-    search asked for and ``solver.origin`` the one that found the saved set."""
+    search asked for and ``solver.origin`` the one that found the saved set. ``inductor_options``:
+    the inductor settings the step was compiled with besides inductor's defaults (``compile``
+    sets them where inductor's default step measured over the budget), which ``compile(plan=...)``
+    compiles with again."""
 
     schema_version: Literal["ckptplan.partition/v1"] = PARTITION_SCHEMA_VERSION
     kind: Literal["joint-graph partition"] = "joint-graph partition"
@@ -230,6 +235,7 @@ class PartitionPlan(_Frozen):
     prediction: PartitionPrediction
     saved: tuple[str, ...]
     recomputed: tuple[str, ...] = ()
+    inductor_options: dict[InductorOption, bool] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_names(self) -> PartitionPlan:

@@ -129,6 +129,9 @@ def render_partition(console: Console, plan: PartitionPlan) -> None:
         ("saved", f"{len(plan.saved)} forward values handed to the backward"),
         ("solver", f"{solver.name} in {solver.seconds:.1f} s{found}: {verdict}"),
     ]
+    if plan.inductor_options:
+        settings = ", ".join(f"{name}={value}" for name, value in plan.inductor_options.items())
+        rows.append(("inductor", f"compiled with {settings}"))
     if plan.recomputed:
         shown = ", ".join(plan.recomputed[:PARTITION_NAMES_SHOWN])
         rows.append(("", shown + (", …" if len(plan.recomputed) > PARTITION_NAMES_SHOWN else "")))

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -83,8 +84,9 @@ class CompiledPlan:
     ``torch.autocast`` with (``"bfloat16"``, ``"float16"`` or None). ``measured_peak_bytes``: the
     compiled step's peak as the allocator counted it when ``compile`` ran it (inductor's steps;
     None where it did not); ``margin_bytes``: how far below the budget the partition was solved
-    for, so that the measured step fits (``compile``). ``to_plan`` makes it a plan file's
-    ``PartitionPlan``."""
+    for, so that the measured step fits (``compile``); ``inductor_options``: the inductor settings
+    the step was compiled with besides inductor's defaults (``MODELLED_INDUCTOR``, where ``compile``
+    set them). ``to_plan`` makes it a plan file's ``PartitionPlan``."""
 
     graph: JointGraph
     budget_bytes: int
@@ -99,6 +101,7 @@ class CompiledPlan:
     autocast: str | None = None
     measured_peak_bytes: int | None = None
     margin_bytes: int = 0
+    inductor_options: dict[str, bool] = dataclasses.field(default_factory=dict)
 
     def to_plan(self) -> PartitionPlan:
         """This partition as a plan file's ``PartitionPlan`` (``ckptplan.plan``)."""
@@ -119,6 +122,7 @@ class CompiledPlan:
             ),
             saved=self.saved,
             recomputed=self.recomputed,
+            inductor_options=dict(self.inductor_options),
         )
 
     @property
@@ -302,6 +306,12 @@ def _real_device(joint: fx.GraphModule) -> torch.device | None:
 # each time for a budget lower by 1.5 times the overshoot so far (docs/limits.md, "Compiled steps").
 MEASURED_TRIES = 3
 
+# Inductor settings under which its step holds what the model of the two graphs counts: the
+# backward's kernels in the graph's order (not reordered by inductor's own estimate of peak
+# memory) and convolutions in the graph's layouts. ``compile`` compiles a partition measured over
+# the budget once more with them, before partitioning again (docs/limits.md, "Compiled steps").
+MODELLED_INDUCTOR = MappingProxyType({"reorder_for_peak_memory": False, "layout_optimization": False})
+
 # The memory-budget settings of PyTorch's min-cut partitioner whose partitions start the search:
 # the settings benchmarks/compile_compare.py sets ckptplan against (docs/tuning.md, "Cost models").
 _MIN_CUT_STARTS = (1.0, 0.8, 0.5, 0.2, 0.0)
@@ -410,13 +420,18 @@ def compile(
     With ``backend="inductor"``, ``compile`` also runs two training steps on
     ``args`` and measures the second one's peak as the allocator counts it (``measure_step``):
     inductor's kernels may hold more than the model of the two graphs counts (a layout change
-    for convolutions, a buffer computed early for a later kernel). A step measured over the
-    budget is partitioned and compiled again for the budget less 1.5 times the overshoot so far,
-    up to ``MEASURED_TRIES`` times (a plan's partition is not made again: over the budget, it
-    raises; a step that runs out of device memory there raises ``CkptPlanError``); ``ckptplan_plan.measured_peak_bytes`` is the step's measured
-    peak, ``ckptplan_attempts`` every partition measured. The steps leave the model's gradients,
-    buffers and random number generators as they were (on CUDA they reset the peak-memory
-    counter, ``torch.cuda.reset_peak_memory_stats``).
+    for convolutions, kernels reordered by inductor's own estimate of peak memory, a buffer
+    computed early for a later kernel). A step measured over the budget is compiled once more with
+    the same partition under ``MODELLED_INDUCTOR`` (inductor kept to the graphs' order and
+    layouts), then, while still over, partitioned and compiled again for the budget less 1.5 times
+    the overshoot so far, under the settings that measured less, up to ``MEASURED_TRIES``
+    partitions. A plan's partition is not made again: over the budget under its own and the
+    modelled settings, it raises. A step that runs out of device memory there raises
+    ``CkptPlanError``. ``ckptplan_plan.measured_peak_bytes`` is the step's measured peak,
+    ``ckptplan_plan.inductor_options`` the settings it was compiled with (its plan file keeps them),
+    ``ckptplan_attempts`` every step measured. The steps leave the model's gradients, buffers and
+    random number generators as they were (on CUDA they reset the peak-memory counter,
+    ``torch.cuda.reset_peak_memory_stats``).
     """
     if backend not in ("inductor", "aot_eager"):
         raise CkptPlanError(f"Unknown backend {backend!r}; use 'inductor' or 'aot_eager'.")
@@ -443,43 +458,66 @@ def compile(
     choose_loss_functions(model)
     check_partition_solver(solver)
     inputs = tuple(TensorSpec.of(t) for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor))
-    margin, attempts = 0, []
-    for attempt in range(1, MEASURED_TRIES + 1):
+    attempts: list[CompiledPlan] = []
+
+    def compiled_step(follow: PartitionPlan | None, margin: int, options: dict[str, bool]) -> tuple:
+        """The model compiled with the partition solved for the budget less ``margin`` (or
+        ``follow``'s), under inductor's defaults and ``options``; an inductor step measured."""
         partitioner = Partitioner(
             budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__, solver=solver,
-            time_limit=time_limit, follow=plan, inputs=inputs,
+            time_limit=time_limit, follow=follow, inputs=inputs,
             autocast=str(autocast).removeprefix("torch.") if autocast is not None else None, margin_bytes=margin,
         )
-        with _recompiles_allowed(attempt - 1):  # a partition made again does not use up the user's recompiles
-            compiled = _compiled(model, args, kwargs or {}, partitioner, backend, autocast)
-        found = partitioner.plans[-1]
-        if backend != "inductor":
-            break
-        measured = _measured_peak(compiled, model, args, kwargs or {}, autocast, outputs_live)
-        found = dataclasses.replace(found, measured_peak_bytes=measured)
+        with _recompiles_allowed(len(attempts)):  # a step compiled again does not use up the user's recompiles
+            compiled = _compiled(model, args, kwargs or {}, partitioner, backend, autocast, options)
+        found = dataclasses.replace(partitioner.plans[-1], inductor_options=dict(options))
+        if backend == "inductor":
+            measured = _measured_peak(compiled, model, args, kwargs or {}, autocast, outputs_live)
+            found = dataclasses.replace(found, measured_peak_bytes=measured)
+            attempts.append(found)
         partitioner.plans[-1] = found
-        attempts.append(found)
-        over = measured - found.budget_bytes
-        if over <= 0:
-            break
+        return compiled, partitioner, found
+
+    options = dict(plan.inductor_options) if plan is not None else {}
+    compiled, partitioner, found = compiled_step(plan, 0, options)
+    partitions, modelled_tried = 1, options == dict(MODELLED_INDUCTOR)
+    while backend == "inductor" and found.measured_peak_bytes > found.budget_bytes:
+        over = found.measured_peak_bytes - found.budget_bytes
+        if not modelled_tried:
+            # The same partition, inductor keeping to the order and layouts the model counts.
+            log.info("inductor's step measured %s, %s over the budget: compiling the same partition with %s",
+                     format_bytes(found.measured_peak_bytes), format_bytes(over), dict(MODELLED_INDUCTOR))
+            modelled_tried = True
+            again, again_partitioner, modelled = compiled_step(found.to_plan(), 0, dict(MODELLED_INDUCTOR))
+            attempts[-1] = modelled = dataclasses.replace(
+                found, measured_peak_bytes=modelled.measured_peak_bytes, inductor_options=dict(MODELLED_INDUCTOR))
+            again_partitioner.plans[-1] = modelled
+            if modelled.measured_peak_bytes < found.measured_peak_bytes:
+                compiled, partitioner, found, options = again, again_partitioner, modelled, dict(MODELLED_INDUCTOR)
+                over = found.measured_peak_bytes - found.budget_bytes
+            if over <= 0:
+                break
         if plan is not None:
             raise InfeasibleBudgetError(
-                f"Inductor's compiled step with the plan's partition measured {format_bytes(measured)} "
-                f"({measured:,} bytes), over the budget of {format_bytes(found.budget_bytes)}; compile with a budget "
-                "instead of the plan (inductor's step is then measured and partitioned again), or with "
-                "backend='aot_eager', whose step the plan predicts exactly.",
-                budget_bytes=found.budget_bytes, min_peak_bytes=measured, least_plan=found,
+                f"Inductor's compiled step with the plan's partition measured {format_bytes(found.measured_peak_bytes)} "
+                f"({found.measured_peak_bytes:,} bytes), over the budget of {format_bytes(found.budget_bytes)}; "
+                "compile with a budget instead of the plan (inductor's step is then measured and partitioned again), "
+                "or with backend='aot_eager', whose step the plan predicts exactly.",
+                budget_bytes=found.budget_bytes, min_peak_bytes=found.measured_peak_bytes, least_plan=found,
+            )
+        if partitions == MEASURED_TRIES:
+            raise InfeasibleBudgetError(
+                f"Inductor's compiled step measured {format_bytes(found.measured_peak_bytes)} "
+                f"({found.measured_peak_bytes:,} bytes), over the budget of {format_bytes(found.budget_bytes)}, after "
+                f"{partitions} partitions each solved for less; raise the budget, or compile with "
+                "backend='aot_eager', whose step the model predicts exactly.",
+                budget_bytes=found.budget_bytes, min_peak_bytes=found.measured_peak_bytes, least_plan=found,
             )
         log.info("inductor's step measured %s, %s over the budget: partitioning again with that margin",
-                 format_bytes(measured), format_bytes(over))
-        if attempt == MEASURED_TRIES:
-            raise InfeasibleBudgetError(
-                f"Inductor's compiled step measured {format_bytes(measured)} ({measured:,} bytes), over the budget "
-                f"of {format_bytes(found.budget_bytes)}, after {attempt} partitions each solved for less; raise the "
-                "budget, or compile with backend='aot_eager', whose step the model predicts exactly.",
-                budget_bytes=found.budget_bytes, min_peak_bytes=measured, least_plan=found,
-            )
-        margin += over + over // 2  # the overshoot shrinks with the budget, not always as fast
+                 format_bytes(found.measured_peak_bytes), format_bytes(over))
+        margin = found.margin_bytes + over + over // 2  # the overshoot shrinks with the budget, not always as fast
+        compiled, partitioner, found = compiled_step(None, margin, options)
+        partitions += 1
     compiled.ckptplan_plan = found
     compiled.ckptplan_partitioner = partitioner
     compiled.ckptplan_attempts = tuple(attempts) or (found,)
@@ -488,10 +526,10 @@ def compile(
 
 def _compiled(
     model: nn.Module, args: tuple, kwargs: dict[str, Any], partitioner: Partitioner, backend: Backend,
-    autocast: torch.dtype | None,
+    autocast: torch.dtype | None, inductor_options: dict[str, bool],
 ) -> nn.Module:
-    """``model`` compiled with ``partitioner``, run once on ``args`` and ``kwargs`` to partition
-    its training graph."""
+    """``model`` compiled with ``partitioner`` (inductor with ``inductor_options`` besides its
+    defaults), run once on ``args`` and ``kwargs`` to partition its training graph."""
     if backend == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
@@ -511,7 +549,8 @@ def _compiled(
     else:
         compiled = torch.compile(
             model, backend="inductor", fullgraph=True,
-            options={"custom_partitioner_fn": _inductor_partitioner(partitioner), "fallback_random": True},
+            options={"custom_partitioner_fn": _inductor_partitioner(partitioner), "fallback_random": True,
+                     **inductor_options},
         )
     with _state_kept(model), torch.enable_grad(), forward_autocast(model, args, kwargs, autocast):
         try:

@@ -83,6 +83,21 @@ def test_show_reads_a_partition(partition_file: Path) -> None:
     assert invoke("show", partition_file, "--json").stdout == partition_file.read_text()
     refused = invoke("show", partition_file, "--plot", partition_file.with_name("t.png"))
     assert refused.exit_code == EXIT_ERROR and "no timeline" in refused.output
+    assert "inductor" not in result.output  # compiled with inductor's defaults (or by aot_eager)
+    # A plan whose inductor step ran with other settings says which; a setting ckptplan does not
+    # set is refused when the file is read.
+    raw = json.loads(partition_file.read_text())
+    raw["inductor_options"] = {"reorder_for_peak_memory": False, "layout_optimization": False}
+    other = partition_file.with_name("modelled.json")
+    other.write_text(json.dumps(raw))
+    result = invoke("show", other)
+    assert result.exit_code == 0
+    assert "inductor    compiled with reorder_for_peak_memory=False," in result.output
+    assert "layout_optimization=False" in result.output
+    raw["inductor_options"] = {"max_autotune": True}
+    other.write_text(json.dumps(raw))
+    refused = invoke("show", other)
+    assert refused.exit_code == EXIT_ERROR and "inductor_options" in refused.output
 
 
 def test_verify_compiles_the_model_with_the_partition_and_measures_it(model_file: Path, partition_file: Path) -> None:

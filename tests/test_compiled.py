@@ -305,34 +305,59 @@ def test_the_inductor_backend_takes_the_partition(monkeypatch) -> None:
         ckptplan.compile(model, (x,), backend="inductor", plan=eager.to_plan())
 
 
-def test_an_inductor_step_measured_over_the_budget_is_partitioned_again_for_less(monkeypatch) -> None:
-    """Inductor's kernels may hold more than the model counts (a layout change, a buffer kept
-    for a later kernel): a step measured over the budget is partitioned again, for the budget
-    less 1.5 times the overshoot, until one fits or the tries run out."""
+def test_an_inductor_step_measured_over_the_budget_is_compiled_as_modelled_then_partitioned_again(monkeypatch) -> None:
+    """Inductor's kernels may hold more than the model counts (a layout change, kernels
+    reordered, a buffer kept for a later kernel): a step measured over the budget is compiled
+    again with the same partition under the settings the model counts, then, still over,
+    partitioned again for the budget less 1.5 times the overshoot, until one fits or the tries
+    run out; the settings it ran with go into the plan file, and a plan compiles with them."""
     from ckptplan.planner import compiled as compiled_module
 
-    partitioners, readings = [], []
+    calls, readings, overshoots = [], [], []
     real_compiled, real_measured = compiled_module._compiled, compiled_module._measured_peak
 
-    def compiled(model, args, kwargs, partitioner, *rest):
-        partitioners.append(partitioner)
-        return real_compiled(model, args, kwargs, partitioner, *rest)
+    def compiled(model, args, kwargs, partitioner, backend, autocast, options):
+        calls.append((partitioner, options))
+        return real_compiled(model, args, kwargs, partitioner, backend, autocast, options)
 
     def measured(*args):
         peak = real_measured(*args)
-        if not readings:  # the first step reads 4 KiB over the budget
-            peak = partitioners[-1].plans[-1].budget_bytes + 4096
+        if overshoots:  # the step reads that many bytes over the budget
+            peak = calls[-1][0].plans[-1].budget_bytes + overshoots.pop(0)
         readings.append(peak)
         return peak
 
     monkeypatch.setattr(compiled_module, "_compiled", compiled)
     monkeypatch.setattr(compiled_module, "_measured_peak", measured)
     model, x = _mlp(), torch.randn(1024, 64)
+    modelled = dict(compiled_module.MODELLED_INDUCTOR)
+    assert modelled == {"reorder_for_peak_memory": False, "layout_optimization": False}
+
+    # Over by 4 KiB under inductor's defaults; the same partition under the modelled settings fits.
+    overshoots[:] = [4096]
     plan = ckptplan.compile(model, (x,), budget=0.8, backend="inductor", time_limit=2).ckptplan_plan
-    assert len(partitioners) == len(readings) == 2
-    assert plan.margin_bytes == 6144 and plan.report.peak_bytes <= plan.budget_bytes - 6144
+    assert [options for _, options in calls] == [{}, modelled]
+    assert calls[1][0].follow.saved == calls[0][0].plans[-1].saved  # the same partition
+    assert plan.margin_bytes == 0 and plan.inductor_options == modelled and plan.asked == "auto"
     assert plan.measured_peak_bytes == readings[-1] <= plan.budget_bytes
-    readings.clear()
+    assert plan.to_plan().inductor_options == modelled
+
+    # Over under both (less under the modelled settings): partitioned again for 1.5 times that less,
+    # compiled with the settings that measured less.
+    calls.clear(), readings.clear()
+    overshoots[:] = [4096, 2048]
+    module = ckptplan.compile(model, (x,), budget=0.8, backend="inductor", time_limit=2)
+    plan = module.ckptplan_plan
+    assert [options for _, options in calls] == [{}, modelled, modelled]
+    assert plan.margin_bytes == 3072 and plan.report.peak_bytes <= plan.budget_bytes - 3072
+    assert [a.measured_peak_bytes for a in module.ckptplan_attempts] == readings
+    assert [a.inductor_options for a in module.ckptplan_attempts] == [{}, modelled, modelled]
+
+    # A plan file compiles with the settings it records.
+    calls.clear(), readings.clear()
+    ckptplan.compile(model, (x,), backend="inductor", plan=plan.to_plan())
+    assert [options for _, options in calls] == [modelled]
+
     monkeypatch.setattr(compiled_module, "_measured_peak", lambda *args: 10**12)
     with pytest.raises(InfeasibleBudgetError, match="by which inductor's step measured above"):
         ckptplan.compile(model, (x,), budget=0.8, backend="inductor", time_limit=2)
