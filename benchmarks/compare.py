@@ -302,17 +302,19 @@ def _timed_step(module: nn.Module, work: Workload) -> float:
     return time.perf_counter() - started
 
 
-def time_ratio(module: nn.Module, work: Workload, repeats: int) -> float:
-    """The median, over ``repeats`` pairs, of a step of ``module`` over the no-checkpoint step
-    (``work.model``) timed right after it: each pair shares the load other processes put on the
-    shared CPU. On BERT's copy timed against itself, twelve estimates from 5 pairs each had a
-    standard deviation of 0.027 this way and 0.093 as the ratio of the two medians."""
-    if module is work.model:
+def time_ratio(module: nn.Module, work: Workload, repeats: int, against: nn.Module | None = None) -> float:
+    """The median, over ``repeats`` pairs, of a step of ``module`` over a step of ``against``
+    (default: the no-checkpoint step, ``work.model``) timed right after it: each pair shares the
+    load other processes put on the shared CPU. On BERT's copy timed against itself, twelve
+    estimates from 5 pairs each had a standard deviation of 0.027 this way and 0.093 as the ratio
+    of the two medians."""
+    against = work.model if against is None else against
+    if module is against:
         return 1.0
     ratios = []
     for _ in range(repeats):
         ours = _timed_step(module, work)
-        ratios.append(ours / _timed_step(work.model, work))
+        ratios.append(ours / _timed_step(against, work))
     return statistics.median(ratios)
 
 

@@ -12,7 +12,9 @@ each knob setting's measured peak, and at the least peak it reaches, its recompu
 FLOPs (``profiler.cost.FLOPS``: the comparison is of FLOPs computed again). Each row: the allocator's
 peak over one step (``measure_step``, the loop dropping the outputs), ckptplan's predicted peak,
 the FLOPs the backward computes again (forward nodes the backward graph runs that the forward
-graph ran too), the step time over the eager model's (median of paired steps), whether the
+graph ran too), the step time over the eager model's (median of paired steps), for ckptplan's
+rows the step time over the knob setting's at whose peak it was solved (median of pairs of the
+two steps, timed one after the other: head to head, without the eager step's noise), whether the
 gradients equal those of the first row, the compiled step that recomputes nothing, for the same
 seed (``torch.testing.assert_close``'s defaults for the gradients' dtype: the same decomposed
 arithmetic; a knob setting that recomputes dropout draws new masks), and the seconds the
@@ -112,6 +114,7 @@ def run_case(case: compare.Case, repeats: int, solver: str = "auto", time_limit:
               flush=True)
 
     choose_loss_functions(work.model)  # the peers compile the model whole too
+    peers: dict[str, nn.Module] = {}  # each knob setting's compiled model, by its row's method
     for knob in KNOBS:
         torch._dynamo.reset()
         found: dict[str, Any] = {}
@@ -123,16 +126,18 @@ def run_case(case: compare.Case, repeats: int, solver: str = "auto", time_limit:
             continue
         row(f"activation_memory_budget {knob}", module, budget_bytes=None, predicted_peak_bytes=None,
             recompute_flops=found.get("recompute_flops", 0), partition_seconds=found.get("seconds"))
-    budgets = [(f"ckptplan at knob {r['method'].split()[-1]}'s peak", r["measured_peak_bytes"]) for r in list(rows)]
+        peers[rows[-1]["method"]] = module
+    budgets = [(f"ckptplan at knob {r['method'].split()[-1]}'s peak", r["measured_peak_bytes"], r)
+               for r in list(rows)]
     torch._dynamo.reset()
     try:
         ckptplan.compile(work.model, work.args, work.kwargs, budget=1, backend="aot_eager", outputs_live=False,
                          roofline=FLOPS, solver=solver, time_limit=time_limit)
     except InfeasibleBudgetError as error:
-        budgets.append(("ckptplan at its least", error.min_peak_bytes))
+        budgets.append(("ckptplan at its least", error.min_peak_bytes, None))
     except Exception as exc:  # noqa: BLE001 (a model ckptplan cannot compile is a result)
         print(f"{case.name} | ckptplan | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-    for method, budget in budgets:
+    for method, budget, peer_row in budgets:
         torch._dynamo.reset()
         started = time.perf_counter()
         try:
@@ -148,6 +153,16 @@ def run_case(case: compare.Case, repeats: int, solver: str = "auto", time_limit:
         row(method, module, budget_bytes=budget, predicted_peak_bytes=plan.peak_bytes,
             recompute_flops=plan.recompute_flops, partition_seconds=time.perf_counter() - started,
             joint_nodes=len(plan.graph.values), solver=plan.solver, status=plan.status)
+        if peer_row is not None:
+            # Head to head: the knob's step (compiled again, since the reset) timed right after
+            # ckptplan's, pair by pair, and its peak measured again as a check.
+            peer = peers[peer_row["method"]]
+            again = _peak(peer, work)
+            rows[-1]["time_vs_knob"] = compare.time_ratio(module, work, repeats, against=peer)
+            rows[-1]["knob_peak_again_bytes"] = again
+            print(f"{case.name} | {method} | step time over the knob's {rows[-1]['time_vs_knob']:.3f}"
+                  + ("" if again == peer_row["measured_peak_bytes"] else
+                     f" | the knob's step measured {ckptplan.format_bytes(again)} this time"), flush=True)
     torch._dynamo.reset()
     return rows
 
@@ -156,20 +171,23 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     def mib(n: Any) -> str:
         return "-" if n is None else f"{n / 2**20:.2f}"
 
-    lines = ["| model | method | measured peak (MiB) | predicted (MiB) | error | GFLOP again | step time | gradients |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [("| model | method | measured peak (MiB) | predicted (MiB) | error | GFLOP again | step time "
+              "| over the knob's | gradients |"),
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         predicted = r.get("predicted_peak_bytes")
         error = "-" if predicted is None else f"{(predicted - r['measured_peak_bytes']) / r['measured_peak_bytes']:+.2%}"
+        versus = f"{r['time_vs_knob']:.3f}" if r.get("time_vs_knob") is not None else "-"
         lines.append(f"| {r['model']} | {r['method']} | {mib(r['measured_peak_bytes'])} | {mib(predicted)} | {error} | "
-                     f"{r['recompute_flops'] / 1e9:.2f} | {r['step_time_ratio']:.2f}x | {r['gradients_equal']} |")
+                     f"{r['recompute_flops'] / 1e9:.2f} | {r['step_time_ratio']:.2f}x | {versus} | "
+                     f"{r['gradients_equal']} |")
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated compare.py models")
-    parser.add_argument("--repeats", type=int, default=3, help="step-time pairs per row")
+    parser.add_argument("--repeats", type=int, default=5, help="step-time pairs per row")
     parser.add_argument("--solver", default="auto", help="ckptplan.compile's solver: auto, exact or greedy")
     parser.add_argument("--time-limit", type=float, default=None, help="its seconds per partition (default: its own)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -193,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
               + "Peaks as the CPU allocator counts them over one step (the loop drops the outputs), with the model's "
               "state and inputs; step time over the eager model's; GFLOP again: what the backward recomputes. "
               "ckptplan rows: `ckptplan.compile(backend=\"aot_eager\")` at a budget of the knob row's measured peak, "
+              "and its step time over the knob's (the median over pairs of steps timed one after the other), "
               f"solver {options.solver}"
               + (f", {options.time_limit:g} s per partition." if options.time_limit is not None else ", its default time."),
         rows=rows, variant=options.dtype if dtype != torch.float32 else "",
