@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ckptplan.errors import PlanFormatError
 from ckptplan.region import Region, region_problem
@@ -237,6 +237,11 @@ class PartitionPlan(_Frozen):
     recomputed: tuple[str, ...] = ()
     inductor_options: dict[InductorOption, bool] = Field(default_factory=dict)
 
+    @field_validator("inductor_options", mode="after")
+    @classmethod
+    def _sort_options(cls, options: dict[str, bool]) -> dict[str, bool]:
+        return dict(sorted(options.items()))  # same settings, same bytes
+
     @model_validator(mode="after")
     def _check_names(self) -> PartitionPlan:
         for field in ("saved", "recomputed"):
@@ -250,7 +255,10 @@ class PartitionPlan(_Frozen):
 
     def to_json(self) -> str:
         """Deterministic JSON text: same plan, same bytes."""
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=False) + "\n"
+        raw = self.model_dump(mode="json")
+        if not raw["inductor_options"]:
+            del raw["inductor_options"]  # plans without it read as before, by earlier versions too
+        return json.dumps(raw, indent=2, sort_keys=False) + "\n"
 
 
 def read_plan(text: str | bytes) -> Plan | PartitionPlan:

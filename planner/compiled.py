@@ -478,7 +478,7 @@ def compile(
         partitioner.plans[-1] = found
         return compiled, partitioner, found
 
-    options = dict(plan.inductor_options) if plan is not None else {}
+    options = dict(plan.inductor_options) if plan is not None and backend == "inductor" else {}
     compiled, partitioner, found = compiled_step(plan, 0, options)
     partitions, modelled_tried = 1, options == dict(MODELLED_INDUCTOR)
     while backend == "inductor" and found.measured_peak_bytes > found.budget_bytes:
@@ -488,10 +488,13 @@ def compile(
             log.info("inductor's step measured %s, %s over the budget: compiling the same partition with %s",
                      format_bytes(found.measured_peak_bytes), format_bytes(over), dict(MODELLED_INDUCTOR))
             modelled_tried = True
-            again, again_partitioner, modelled = compiled_step(found.to_plan(), 0, dict(MODELLED_INDUCTOR))
+            again, again_partitioner, modelled = compiled_step(found.to_plan(), found.margin_bytes,
+                                                               dict(MODELLED_INDUCTOR))
             attempts[-1] = modelled = dataclasses.replace(
                 found, measured_peak_bytes=modelled.measured_peak_bytes, inductor_options=dict(MODELLED_INDUCTOR))
             again_partitioner.plans[-1] = modelled
+            if plan is None:
+                again_partitioner.follow = None  # a later compile of the module (another shape) solves again
             if modelled.measured_peak_bytes < found.measured_peak_bytes:
                 compiled, partitioner, found, options = again, again_partitioner, modelled, dict(MODELLED_INDUCTOR)
                 over = found.measured_peak_bytes - found.budget_bytes

@@ -317,7 +317,7 @@ def test_an_inductor_step_measured_over_the_budget_is_compiled_as_modelled_then_
     real_compiled, real_measured = compiled_module._compiled, compiled_module._measured_peak
 
     def compiled(model, args, kwargs, partitioner, backend, autocast, options):
-        calls.append((partitioner, options))
+        calls.append((partitioner, options, partitioner.follow))
         return real_compiled(model, args, kwargs, partitioner, backend, autocast, options)
 
     def measured(*args):
@@ -335,28 +335,59 @@ def test_an_inductor_step_measured_over_the_budget_is_compiled_as_modelled_then_
 
     # Over by 4 KiB under inductor's defaults; the same partition under the modelled settings fits.
     overshoots[:] = [4096]
-    plan = ckptplan.compile(model, (x,), budget=0.8, backend="inductor", time_limit=2).ckptplan_plan
-    assert [options for _, options in calls] == [{}, modelled]
-    assert calls[1][0].follow.saved == calls[0][0].plans[-1].saved  # the same partition
+    module = ckptplan.compile(model, (x,), budget=0.8, backend="inductor", time_limit=2)
+    plan = module.ckptplan_plan
+    assert [options for _, options, _ in calls] == [{}, modelled]
+    assert calls[1][2].saved == calls[0][0].plans[-1].saved  # the same partition
+    assert module.ckptplan_partitioner is calls[1][0] and module.ckptplan_partitioner.follow is None  # other shapes solve
     assert plan.margin_bytes == 0 and plan.inductor_options == modelled and plan.asked == "auto"
     assert plan.measured_peak_bytes == readings[-1] <= plan.budget_bytes
-    assert plan.to_plan().inductor_options == modelled
+    written = plan.to_plan()
+    assert written.inductor_options == {"layout_optimization": False, "reorder_for_peak_memory": False}
+    assert '"inductor_options"' in written.to_json()
+    assert '"inductor_options"' not in plan.to_plan().model_copy(update={"inductor_options": {}}).to_json()
+    # aot_eager runs a plan's graphs eagerly: no inductor settings apply, none are recorded.
+    calls.clear()
+    torch._dynamo.reset()
+    eager = ckptplan.compile(model, (x,), backend="aot_eager", plan=written).ckptplan_plan
+    assert [options for _, options, _ in calls] == [{}] and eager.inductor_options == {}
+    torch._dynamo.reset()
 
     # Over under both (less under the modelled settings): partitioned again for 1.5 times that less,
     # compiled with the settings that measured less.
-    calls.clear(), readings.clear()
+    calls.clear()
+    readings.clear()
+    torch._dynamo.reset()
     overshoots[:] = [4096, 2048]
     module = ckptplan.compile(model, (x,), budget=0.8, backend="inductor", time_limit=2)
     plan = module.ckptplan_plan
-    assert [options for _, options in calls] == [{}, modelled, modelled]
+    assert [options for _, options, _ in calls] == [{}, modelled, modelled]
     assert plan.margin_bytes == 3072 and plan.report.peak_bytes <= plan.budget_bytes - 3072
     assert [a.measured_peak_bytes for a in module.ckptplan_attempts] == readings
     assert [a.inductor_options for a in module.ckptplan_attempts] == [{}, modelled, modelled]
 
+    # Over under both, more under the modelled settings: partitioned again under inductor's defaults.
+    calls.clear()
+    readings.clear()
+    torch._dynamo.reset()
+    overshoots[:] = [2048, 4096]
+    module = ckptplan.compile(model, (x,), budget=0.8, backend="inductor", time_limit=2)
+    assert [options for _, options, _ in calls] == [{}, modelled, {}]
+    assert module.ckptplan_plan.margin_bytes == 3072 and module.ckptplan_plan.inductor_options == {}
+    assert '"inductor_options"' not in module.ckptplan_plan.to_plan().to_json()
+
     # A plan file compiles with the settings it records.
-    calls.clear(), readings.clear()
+    calls.clear()
+    readings.clear()
+    torch._dynamo.reset()
     ckptplan.compile(model, (x,), backend="inductor", plan=plan.to_plan())
-    assert [options for _, options in calls] == [modelled]
+    assert [options for _, options, _ in calls] == [modelled]
+    # ... and over its budget there it raises at once (the modelled settings were its own).
+    calls.clear()
+    overshoots[:] = [4096]
+    with pytest.raises(InfeasibleBudgetError, match="with the plan's partition measured"):
+        ckptplan.compile(model, (x,), backend="inductor", plan=plan.to_plan())
+    assert [options for _, options, _ in calls] == [modelled]
 
     monkeypatch.setattr(compiled_module, "_measured_peak", lambda *args: 10**12)
     with pytest.raises(InfeasibleBudgetError, match="by which inductor's step measured above"):
