@@ -159,9 +159,12 @@ def solve_partition_step(
     (``solvers.partition``, from ``starts`` too), then, unless ``solver`` is ``"greedy"``, the
     exact CP-SAT model's (``solvers.partition_exact``) for the rest of ``time_limit`` seconds
     (None: ``PARTITION_SOLVERS[solver]``), which returns a partition only when it recomputes
-    less, and proves it least or proves that nothing fits. When nothing within the budget is
-    found, the least peak found (the exact model's bisection, ``partition_exact.least_partition``,
-    lowers the greedy search's), ``feasible`` False. The greedy search, too, ends by the deadline
+    less, and proves it least or proves that nothing fits. When the greedy search fits nothing,
+    the exact model gets ``LEAST_SHARE`` of the time left, then, without a proof either way, a
+    search for any saved set within the budget (then the least recomputation from it) gets as
+    much again. When nothing within the budget is found, the least peak found (the exact model's
+    bisection, ``partition_exact.least_partition``, lowers the greedy search's), ``feasible``
+    False. The greedy search, too, ends by the deadline
     (``greedy`` alone without ``time_limit`` runs until it is done). Every partition returned is
     the simulator's report of its saved set."""
     check_partition_solver(solver)
@@ -178,10 +181,21 @@ def solve_partition_step(
     ctx.report("exact")
     phase = ctx if found.feasible else ctx.within(ctx.left() * LEAST_SHARE)
     exact = solve_partition_exact(graph, budget_bytes, phase, incumbent=found.report)
+    if exact.report is None and exact.status != "infeasible" and not ctx.over():
+        # Any saved set within the budget, before the least peak: the budget asked is the goal
+        # (a least peak an error stated, found by the probes below, is such a budget).
+        ctx.report("fit")
+        fit = solve_partition_exact(graph, budget_bytes, ctx.within(ctx.left() * LEAST_SHARE), fit_only=True)
+        if fit.report is not None:  # then the least recomputation from it, for the time left
+            exact = replace(fit, status="feasible")  # nothing proved of its recomputation yet
+            if not ctx.over():
+                exact = solve_partition_exact(graph, budget_bytes, ctx, incumbent=fit.report)
     if exact.report is None:
         proved = exact.status == "infeasible"
         ctx.report("least peak")
         least, _ = least_partition(graph, ctx, found.report, budget_bytes if proved else graph.static_bytes)
+        if least.peak_bytes <= budget_bytes:  # a probe's partition within the budget after all
+            return Partition(report=least, feasible=True, origin="exact", status="feasible")
         if least.peak_bytes < found.report.peak_bytes:  # ``least`` is the simulator's report
             found = Partition(report=least, feasible=False, origin="exact")
         return replace(found, status="infeasible") if proved else found

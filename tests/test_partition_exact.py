@@ -22,8 +22,13 @@ from ckptplan.partition import PartitionReport, simulate_partition
 from ckptplan.profiler.loss import training_loss
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.orchestrate import solve_partition_step
-from ckptplan.solvers.partition import no_recompute, solve_partition
-from ckptplan.solvers.partition_exact import LEAST_RESOLUTION, least_partition, solve_partition_exact
+from ckptplan.solvers.partition import Partition, no_recompute, solve_partition
+from ckptplan.solvers.partition_exact import (
+    LEAST_RESOLUTION,
+    ExactPartition,
+    least_partition,
+    solve_partition_exact,
+)
 from tests import models
 
 
@@ -187,6 +192,35 @@ def test_a_proved_infeasible_budget_states_a_least_peak_the_solver_then_fits(joi
     assert found.report.peak_bytes <= solve_partition(joint, joint.static_bytes + 1).report.peak_bytes
     again = solve_partition_step(joint, found.report.peak_bytes, solver="auto", time_limit=20)
     assert again.feasible and again.report.peak_bytes <= found.report.peak_bytes
+
+
+def test_a_budget_the_greedy_search_misses_is_searched_for_any_fit_before_the_least_peak(
+    joint: JointGraph, monkeypatch
+) -> None:
+    """When the greedy search fits nothing and the exact model's least-recomputation search runs
+    out of its share without a proof, a search for any saved set within the budget comes next
+    (then the least recomputation from it), so that a fitting budget (a least peak stated
+    before) gets a partition rather than another least peak."""
+    from ckptplan.solvers import orchestrate, partition_exact
+
+    budget = solve_partition(joint, int(0.7 * simulate_partition(joint, no_recompute(joint)).peak_bytes)).report
+    assert budget.peak_bytes < simulate_partition(joint, no_recompute(joint)).peak_bytes
+    missed = Partition(report=simulate_partition(joint, no_recompute(joint)), feasible=False)
+    monkeypatch.setattr(orchestrate, "solve_partition", lambda *args: missed)
+    calls = []
+    real = partition_exact.solve_partition_exact
+
+    def exact(graph, budget_bytes, ctx, incumbent=None, *, fit_only=False):
+        calls.append(fit_only)
+        if len(calls) == 1:  # the first search runs out of its time
+            return ExactPartition(report=None, status="unknown", rows=0, rounds=0)
+        return real(graph, budget_bytes, ctx, incumbent, fit_only=fit_only)
+
+    monkeypatch.setattr(partition_exact, "solve_partition_exact", exact)
+    found = solve_partition_step(joint, budget.peak_bytes, solver="auto", time_limit=10)
+    assert calls[:2] == [False, True]
+    assert found.feasible and found.origin == "exact" and found.report.peak_bytes <= budget.peak_bytes
+    assert found.report == simulate_partition(joint, found.report.saved)
 
 
 def test_compile_with_the_exact_solver_trains_as_eager_and_measures_as_predicted() -> None:
