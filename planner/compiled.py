@@ -460,17 +460,20 @@ def compile(
     inputs = tuple(TensorSpec.of(t) for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor))
     attempts: list[CompiledPlan] = []
 
-    def compiled_step(follow: PartitionPlan | None, margin: int, options: dict[str, bool]) -> tuple:
-        """The model compiled with the partition solved for the budget less ``margin`` (or
-        ``follow``'s), under inductor's defaults and ``options``; an inductor step measured."""
+    def compiled_step(margin: int, options: dict[str, bool], same: CompiledPlan | None = None) -> tuple:
+        """The model compiled with the partition solved for the budget less ``margin`` (``plan``'s,
+        or ``same``'s partition again), under inductor's defaults and ``options``; an inductor
+        step measured."""
         partitioner = Partitioner(
             budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__, solver=solver,
-            time_limit=time_limit, follow=follow, inputs=inputs,
+            time_limit=time_limit, follow=same.to_plan() if same is not None else plan, inputs=inputs,
             autocast=str(autocast).removeprefix("torch.") if autocast is not None else None, margin_bytes=margin,
         )
         with _recompiles_allowed(len(attempts)):  # a step compiled again does not use up the user's recompiles
             compiled = _compiled(model, args, kwargs or {}, partitioner, backend, autocast, options)
-        found = dataclasses.replace(partitioner.plans[-1], inductor_options=dict(options))
+        found = dataclasses.replace(same or partitioner.plans[-1], inductor_options=dict(options))
+        if same is not None and plan is None:
+            partitioner.follow = None  # a later compile of the module (another shape) solves again
         if backend == "inductor":
             measured = _measured_peak(compiled, model, args, kwargs or {}, autocast, outputs_live)
             found = dataclasses.replace(found, measured_peak_bytes=measured)
@@ -478,25 +481,20 @@ def compile(
         partitioner.plans[-1] = found
         return compiled, partitioner, found
 
+    modelled_options = dict(MODELLED_INDUCTOR)
     options = dict(plan.inductor_options) if plan is not None and backend == "inductor" else {}
-    compiled, partitioner, found = compiled_step(plan, 0, options)
-    partitions, modelled_tried = 1, options == dict(MODELLED_INDUCTOR)
+    compiled, partitioner, found = compiled_step(0, options)
+    partitions, modelled_tried = 1, options == modelled_options
     while backend == "inductor" and found.measured_peak_bytes > found.budget_bytes:
         over = found.measured_peak_bytes - found.budget_bytes
         if not modelled_tried:
             # The same partition, inductor keeping to the order and layouts the model counts.
             log.info("inductor's step measured %s, %s over the budget: compiling the same partition with %s",
-                     format_bytes(found.measured_peak_bytes), format_bytes(over), dict(MODELLED_INDUCTOR))
+                     format_bytes(found.measured_peak_bytes), format_bytes(over), modelled_options)
             modelled_tried = True
-            again, again_partitioner, modelled = compiled_step(found.to_plan(), found.margin_bytes,
-                                                               dict(MODELLED_INDUCTOR))
-            attempts[-1] = modelled = dataclasses.replace(
-                found, measured_peak_bytes=modelled.measured_peak_bytes, inductor_options=dict(MODELLED_INDUCTOR))
-            again_partitioner.plans[-1] = modelled
-            if plan is None:
-                again_partitioner.follow = None  # a later compile of the module (another shape) solves again
-            if modelled.measured_peak_bytes < found.measured_peak_bytes:
-                compiled, partitioner, found, options = again, again_partitioner, modelled, dict(MODELLED_INDUCTOR)
+            again = compiled_step(found.margin_bytes, modelled_options, same=found)
+            if again[2].measured_peak_bytes < found.measured_peak_bytes:
+                (compiled, partitioner, found), options = again, modelled_options
                 over = found.measured_peak_bytes - found.budget_bytes
             if over <= 0:
                 break
@@ -519,7 +517,7 @@ def compile(
         log.info("inductor's step measured %s, %s over the budget: partitioning again with that margin",
                  format_bytes(found.measured_peak_bytes), format_bytes(over))
         margin = found.margin_bytes + over + over // 2  # the overshoot shrinks with the budget, not always as fast
-        compiled, partitioner, found = compiled_step(None, margin, options)
+        compiled, partitioner, found = compiled_step(margin, options)
         partitions += 1
     compiled.ckptplan_plan = found
     compiled.ckptplan_partitioner = partitioner
