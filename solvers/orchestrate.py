@@ -5,6 +5,7 @@ returning a ``Solution`` (regions, remat, the simulator's report and where they 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -135,7 +136,12 @@ def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> 
 # greedy search, then the exact model for the rest of its time; ``exact`` the same for longer;
 # ``greedy`` the greedy search alone (docs/tuning.md, "partition_exact").
 PARTITION_SOLVERS = {"auto": 30.0, "exact": 120.0, "greedy": 0.0}
-LEAST_SHARE = 0.5  # of the time left, when the greedy search fits nothing: the exact model at the budget; the rest finds the least peak
+# Shares of the time asked (``limit``), each sized on a clock of work rather than the wall clock
+# so that the search ends the same on every run (docs/tuning.md, "partition_exact"):
+GREEDY_SHARE = 0.5  # the greedy search, ...
+SIMULATED_VALUES_PER_SECOND = 170_000  # ... counted in joint-graph values simulated
+LEAST_SHARE = 0.3  # the least-peak search when the greedy search fits nothing, ...
+LEAST_CLOCK = 0.1  # ... counted in CP-SAT's deterministic seconds
 
 
 def check_partition_solver(solver: str) -> None:
@@ -159,51 +165,63 @@ def solve_partition_step(
     (``solvers.partition``, from ``starts`` too), then, unless ``solver`` is ``"greedy"``, the
     exact CP-SAT model's (``solvers.partition_exact``) for the rest of ``time_limit`` seconds
     (None: ``PARTITION_SOLVERS[solver]``), which returns a partition only when it recomputes
-    less, and proves it least or proves that nothing fits. When the greedy search fits nothing,
-    the exact model gets ``LEAST_SHARE`` of the time left, then, without a proof either way, a
-    search for any saved set within the budget (then the least recomputation from it) gets as
-    much again. When nothing within the budget is found, the least peak found (the exact model's
-    bisection, ``partition_exact.least_partition``, lowers the greedy search's), ``feasible``
-    False. The greedy search, too, ends by the deadline
+    less, and proves it least or proves that nothing fits. The greedy search gets
+    ``GREEDY_SHARE`` of the time asked (all of it alone), counted in values simulated. When the greedy search fits nothing,
+    the exact model's least-peak bisection (``partition_exact.least_partition``) lowers the
+    greedy search's least peak first, for ``LEAST_SHARE`` of the time asked on CP-SAT's
+    deterministic clock, from bounds that do not depend on the budget: whatever budget the greedy
+    search misses, the same least is found (unless the deadline cuts it short), so a least peak
+    stated is a budget this search fits. Then the exact model searches for any saved set within
+    the budget (or a proof that none is), and the least recomputation from what fits. When
+    nothing within the budget is found, the least peak found, ``feasible`` False. The greedy
+    search, too, ends by the deadline
     (``greedy`` alone without ``time_limit`` runs until it is done). Every partition returned is
     the simulator's report of its saved set."""
     check_partition_solver(solver)
     ctx = SolveContext.limited(time_limit, default=PARTITION_SOLVERS[solver], on_progress=progress)
     ctx.report("greedy")
-    # ``greedy`` alone runs until it is done unless a limit is given; otherwise it ends by the deadline
-    found = solve_partition(graph, budget_bytes, starts, None if solver == "greedy" and time_limit is None else ctx)
+    if solver == "greedy" and time_limit is None:  # runs until it is done
+        found = solve_partition(graph, budget_bytes, starts)
+    else:
+        work = ctx.limit * (1.0 if solver == "greedy" else GREEDY_SHARE) * SIMULATED_VALUES_PER_SECOND
+        found = solve_partition(graph, budget_bytes, starts, ctx, None if math.isinf(work) else int(work))
     if found.feasible:
         ctx.report(cost_seconds=found.report.recompute_seconds, peak_bytes=found.report.peak_bytes)
     if solver == "greedy" or ctx.over():
         return found
     from ckptplan.solvers.partition_exact import least_partition, solve_partition_exact  # imports ortools
 
-    ctx.report("exact")
-    phase = ctx if found.feasible else ctx.within(ctx.left() * LEAST_SHARE)
-    exact = solve_partition_exact(graph, budget_bytes, phase, incumbent=found.report)
-    if exact.report is None and exact.status != "infeasible" and not ctx.over():
-        # Any saved set within the budget, before the least peak: the budget asked is the goal
-        # (a least peak an error stated, found by the probes below, is such a budget).
-        ctx.report("fit")
-        fit = solve_partition_exact(graph, budget_bytes, ctx.within(ctx.left() * LEAST_SHARE), fit_only=True)
-        if fit.report is not None:  # then the least recomputation from it, for the time left
-            exact = replace(fit, status="feasible")  # nothing proved of its recomputation yet
-            if not ctx.over():
-                exact = solve_partition_exact(graph, budget_bytes, ctx, incumbent=fit.report)
-    if exact.report is None:
-        proved = exact.status == "infeasible"
+    if not found.feasible:
+        # The least peak first, on CP-SAT's deterministic clock from the greedy search's least
+        # (the same for every budget below it): the least an error states is a budget whose
+        # search finds that partition again (docs/limits.md, "Compiled steps").
         ctx.report("least peak")
-        least, _ = least_partition(graph, ctx, found.report, budget_bytes if proved else graph.static_bytes)
-        if least.peak_bytes <= budget_bytes:  # a probe's partition within the budget after all
-            return Partition(report=least, feasible=True, origin="exact", status="feasible")
+        least, _ = least_partition(
+            graph, ctx, found.report, graph.static_bytes,
+            deterministic_seconds=ctx.limit * LEAST_SHARE * LEAST_CLOCK,
+        )
         if least.peak_bytes < found.report.peak_bytes:  # ``least`` is the simulator's report
-            found = Partition(report=least, feasible=False, origin="exact")
-        return replace(found, status="infeasible") if proved else found
+            fits = least.peak_bytes <= budget_bytes
+            found = Partition(report=least, feasible=fits, origin="exact", status="feasible" if fits else "heuristic")
+        if ctx.over():
+            return found
+    ctx.report("exact")
+    if found.feasible:
+        exact = solve_partition_exact(graph, budget_bytes, ctx, incumbent=found.report)
+    else:
+        # Any saved set within the budget, or a proof that none is, then the least recomputation from it.
+        exact = solve_partition_exact(graph, budget_bytes, ctx, incumbent=found.report, fit_only=True)
+        if exact.report is not None:
+            exact = replace(exact, status="feasible")  # nothing proved of its recomputation yet
+            if not ctx.over():
+                exact = solve_partition_exact(graph, budget_bytes, ctx, incumbent=exact.report)
+    if exact.report is None:
+        return replace(found, status="infeasible") if exact.status == "infeasible" else found
     report = exact.report  # the simulator's report of its saved set, as the kernel returns only those
     if report.peak_bytes > budget_bytes:
         raise CkptPlanError(
             f"The exact partition of {graph.name} peaks at {report.peak_bytes} bytes, over the budget of "
             f"{budget_bytes}; this is a bug in ckptplan, please report it."
         )
-    origin = "greedy" if found.feasible and report.saved == found.report.saved else "exact"
+    origin = found.origin if found.feasible and report.saved == found.report.saved else "exact"
     return Partition(report=report, feasible=True, origin=origin, status=exact.status)

@@ -70,27 +70,34 @@ def no_recompute(graph: JointGraph) -> frozenset[int]:
 
 
 def solve_partition(
-    graph: JointGraph, budget_bytes: int, starts: Iterable[Iterable[int]] = (), ctx: SolveContext | None = None
+    graph: JointGraph, budget_bytes: int, starts: Iterable[Iterable[int]] = (), ctx: SolveContext | None = None,
+    work_values: int | None = None,
 ) -> Partition:
     """The saved set for ``budget_bytes``; when none is found within it, the least peak found.
     ``starts``: other saved sets to search from besides saving everything the backward reads
     (PyTorch's own min-cut partition, say); the search starts from the one of least peak, then
     least recomputation. ``ctx``: its deadline, or Ctrl-C (which sets its cancel flag), ends the
     search with the best partition so far (None: the search runs until it is done, and Ctrl-C
-    raises)."""
+    raises). ``work_values``: the search also ends once its simulations have gone over that many
+    values in all (None: no such end), a clock of work that ends it the same on every run.
+
+    While the peak is over the budget the moves do not depend on the budget, so at every budget
+    below the least peak it reaches the search ends with the same partition (unless ``ctx``'s
+    deadline comes first)."""
+    work = _Work(graph, work_values)
     options = [no_recompute(graph), *(must_save(graph, frozenset(start)) for start in starts)]
-    reports = [simulate_partition(graph, option) for option in options]
+    reports = [work.simulate(option) for option in options]
     report = min(reports, key=lambda r: (max(r.peak_bytes, budget_bytes), r.recompute_seconds, r.peak_bytes))
     rounds = _ROUNDS_PER_CANDIDATE * max(1, len(graph.saveable))
     try:
-        while report.peak_bytes > budget_bytes and rounds > 0 and not _over(ctx):
+        while report.peak_bytes > budget_bytes and rounds > 0 and not work.over(ctx):
             rounds -= 1
-            move = _best_move(graph, report, ctx)
+            move = _best_move(graph, report, ctx, work)
             if move is None:
                 break
             report = move
         if report.peak_bytes <= budget_bytes:
-            report = _save_back(graph, report, budget_bytes, ctx)
+            report = _save_back(graph, report, budget_bytes, ctx, work)
     except KeyboardInterrupt:
         if ctx is None:
             raise
@@ -98,11 +105,25 @@ def solve_partition(
     return Partition(report=report, feasible=report.peak_bytes <= budget_bytes)
 
 
-def _over(ctx: SolveContext | None) -> bool:
-    return ctx is not None and ctx.over()
+class _Work:
+    """The search's simulations, counted in values simulated against an allowance (None: none)."""
+
+    def __init__(self, graph: JointGraph, allowance: int | None) -> None:
+        self.graph, self.left = graph, allowance
+
+    def simulate(self, saved: Iterable[int]) -> PartitionReport:
+        if self.left is not None:
+            self.left -= len(self.graph.values)
+        return simulate_partition(self.graph, saved)
+
+    def over(self, ctx: SolveContext | None) -> bool:
+        """The allowance spent, ``ctx`` over, or Ctrl-C pressed."""
+        return (self.left is not None and self.left <= 0) or (ctx is not None and ctx.over())
 
 
-def _best_move(graph: JointGraph, report: PartitionReport, ctx: SolveContext | None) -> PartitionReport | None:
+def _best_move(
+    graph: JointGraph, report: PartitionReport, ctx: SolveContext | None, work: _Work
+) -> PartitionReport | None:
     """The report of the move that lowers the peak most per second of recomputation added (of
     those tried before ``ctx`` is over), or None."""
     values = graph.values
@@ -125,12 +146,12 @@ def _best_move(graph: JointGraph, report: PartitionReport, ctx: SolveContext | N
         inputs = {j for j in values[i].inputs if values[j].phase == "forward" and not values[j].multi_output}
         options = [saved - {i}, (saved - {i}) | inputs]
         for k, option in enumerate(options):  # grows: the first with its replayed masks saved instead
-            if _over(ctx):
+            if work.over(ctx):
                 return best
             option = must_save(graph, frozenset(option))
             if option == saved:
                 continue
-            trial = simulate_partition(graph, option)
+            trial = work.simulate(option)
             replayed = {graph.drawn_for[j] for j in trial.recomputed if j in graph.drawn_for}
             if k == 0 and replayed:
                 options.append(options[0] | replayed)
@@ -158,16 +179,16 @@ def _forward_descendants(graph: JointGraph, roots: list[int]) -> set[int]:
 
 
 def _save_back(
-    graph: JointGraph, report: PartitionReport, budget_bytes: int, ctx: SolveContext | None
+    graph: JointGraph, report: PartitionReport, budget_bytes: int, ctx: SolveContext | None, work: _Work
 ) -> PartitionReport:
     """Save again the recomputed values, costliest first, while the peak stays in budget (and
     ``ctx`` is not over)."""
     for i in sorted(report.recomputed, key=lambda i: (-graph.values[i].cost, i)):
-        if _over(ctx):
+        if work.over(ctx):
             break
         if i not in report.recomputed or graph.values[i].multi_output:  # saved back with another
             continue
-        trial = simulate_partition(graph, {*report.saved, i})
+        trial = work.simulate({*report.saved, i})
         if trial.peak_bytes <= budget_bytes and trial.recompute_seconds < report.recompute_seconds:
             report = trial
     return report

@@ -72,6 +72,7 @@ class ExactPartition:
     status: ExactStatus
     rows: int
     rounds: int
+    deterministic_seconds: float = 0.0  # CP-SAT's deterministic clock over the rounds
 
 
 @dataclass(frozen=True)
@@ -467,12 +468,15 @@ class _Model:
 
 def solve_partition_exact(
     graph: JointGraph, budget_bytes: int, ctx: SolveContext, incumbent: PartitionReport | None = None,
-    *, fit_only: bool = False,
+    *, fit_only: bool = False, deterministic_seconds: float | None = None,
 ) -> ExactPartition:
     """The saved set of least recomputation seconds within ``budget_bytes``, as far as ``ctx``
     lets the search go; ``incumbent``, a partition found otherwise, seeds the rows and, within
     budget, the hint, and is returned if nothing better is found. ``fit_only``: any saved set
     within the budget will do (no objective; the first found ends the search).
+    ``deterministic_seconds``: the search runs one CP-SAT worker for at most that much of its
+    deterministic clock over all rounds, so that it ends the same on every run unless ``ctx``'s
+    deadline comes first (None: ``WORKERS`` workers, each round sized by ``ctx.limit``).
 
     Each round solves the model with its rows so far and simulates every solution CP-SAT finds
     as it finds it: the first one over the budget ends the round, its points furthest over
@@ -489,17 +493,22 @@ def solve_partition_exact(
         _, points = state.points(saved)
         for point, _ in _fullest(points):
             state.add_row(point)
-    rounds = 0
+    rounds, spent = 0, 0.0
     status: ExactStatus = "unknown"
-    while not ctx.over():
+    while not ctx.over() and (deterministic_seconds is None or spent < deterministic_seconds):
         rounds += 1
         if watch.best is not None:
             state.model.ClearHints()
             state.hint(frozenset(watch.best.saved))
         solver = cp_model.CpSolver()
-        configure(solver, wall_seconds=ctx.left(), deterministic_seconds=ctx.limit, workers=WORKERS, seed=0)
+        if deterministic_seconds is None:
+            configure(solver, wall_seconds=ctx.left(), deterministic_seconds=ctx.limit, workers=WORKERS, seed=0)
+        else:
+            configure(solver, wall_seconds=ctx.left(), deterministic_seconds=deterministic_seconds - spent,
+                      workers=1, seed=0)
         watch.over = []
         code = solve_interruptibly(solver, state.model, ctx, watch)
+        spent += solver.deterministic_time
         if watch.over:
             added = [point for point, _ in _fullest(watch.over) if point not in state.rows]
             if not added:
@@ -517,7 +526,8 @@ def solve_partition_exact(
         break
     if status == "unknown" and watch.best is not None:
         status = "feasible"
-    return ExactPartition(report=watch.best, status=status, rows=len(state.rows), rounds=rounds)
+    return ExactPartition(report=watch.best, status=status, rows=len(state.rows), rounds=rounds,
+                          deterministic_seconds=spent)
 
 
 class _Watch(cp_model.CpSolverSolutionCallback):
@@ -553,22 +563,33 @@ def _fullest(points: list[tuple[tuple, int]]) -> list[tuple[tuple, int]]:
 
 def least_partition(
     graph: JointGraph, ctx: SolveContext, least: PartitionReport, infeasible_bytes: int,
+    deterministic_seconds: float | None = None,
 ) -> tuple[PartitionReport, int]:
     """A partition of lower peak than ``least`` where the exact model finds one: a bisection on
     the budget between ``infeasible_bytes``, a budget proved to fit nothing, and the least peak
-    found so far, each probe the exact model's search for any saved set within it, sharing
-    ``ctx``'s time. A probe that finds one lowers the least; one that proves none raises the
-    bound; one that runs out of its time leaves the budgets below it untried. Stops when the
-    least and the lowest budget left are within ``LEAST_RESOLUTION`` of each other, or when the
-    time is up. Returns the least partition found and the greatest budget proved to fit
-    nothing."""
+    found so far, each probe the exact model's search for any saved set within it. A probe that
+    finds one lowers the least; one that proves none raises the bound; one that runs out of its
+    time leaves the budgets below it untried. Stops when the least and the lowest budget left are
+    within ``LEAST_RESOLUTION`` of each other, or when the time is up. Returns the least partition
+    found and the greatest budget proved to fit nothing.
+
+    The probes share ``ctx``'s time (its wall clock), or, given ``deterministic_seconds``, that
+    much of CP-SAT's deterministic clock, each probe what the earlier ones left over the probes
+    to come: then the same graph, start and bound give the same least on every run, unless
+    ``ctx``'s deadline cuts a probe short."""
     probe_ctx = ctx.unscored()
     low = infeasible_bytes  # budgets at or below it are proved infeasible, or given up on
+    left = deterministic_seconds
     for probes_left in range(LEAST_PROBES, 0, -1):
-        if ctx.over() or least.peak_bytes - low <= LEAST_RESOLUTION * least.peak_bytes:
+        if ctx.over() or least.peak_bytes - low <= LEAST_RESOLUTION * least.peak_bytes or (left is not None and left <= 0):
             break
         budget = (low + least.peak_bytes) // 2
-        found = solve_partition_exact(graph, budget, probe_ctx.within(ctx.left() / probes_left), fit_only=True)
+        if left is None:
+            found = solve_partition_exact(graph, budget, probe_ctx.within(ctx.left() / probes_left), fit_only=True)
+        else:
+            found = solve_partition_exact(graph, budget, probe_ctx, fit_only=True,
+                                          deterministic_seconds=left / probes_left)
+            left -= found.deterministic_seconds
         if found.report is not None:
             least = found.report
         else:

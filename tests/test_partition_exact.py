@@ -25,7 +25,6 @@ from ckptplan.solvers.orchestrate import solve_partition_step
 from ckptplan.solvers.partition import Partition, no_recompute, solve_partition
 from ckptplan.solvers.partition_exact import (
     LEAST_RESOLUTION,
-    ExactPartition,
     least_partition,
     solve_partition_exact,
 )
@@ -186,41 +185,48 @@ def test_greedy_alone_seeks_no_proof(joint: JointGraph) -> None:
 
 
 def test_a_proved_infeasible_budget_states_a_least_peak_the_solver_then_fits(joint: JointGraph) -> None:
-    found = solve_partition_step(joint, joint.static_bytes + 1, solver="auto", time_limit=20)
+    found = solve_partition_step(joint, joint.static_bytes + 1, solver="auto", time_limit=10)
     assert not found.feasible and found.status == "infeasible"
     assert found.report == simulate_partition(joint, found.report.saved)
     assert found.report.peak_bytes <= solve_partition(joint, joint.static_bytes + 1).report.peak_bytes
-    again = solve_partition_step(joint, found.report.peak_bytes, solver="auto", time_limit=20)
+    again = solve_partition_step(joint, found.report.peak_bytes, solver="auto", time_limit=10)
     assert again.feasible and again.report.peak_bytes <= found.report.peak_bytes
 
 
-def test_a_budget_the_greedy_search_misses_is_searched_for_any_fit_before_the_least_peak(
+def test_the_least_peak_search_is_the_same_on_every_run(joint: JointGraph) -> None:
+    start = simulate_partition(joint, no_recompute(joint))
+    runs = [least_partition(joint, SolveContext.limited(60), start, joint.static_bytes, deterministic_seconds=0.3)
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert runs[0][0].peak_bytes < start.peak_bytes
+
+
+def test_a_budget_the_greedy_search_misses_gets_the_least_peak_first_and_a_stated_least_fits(
     joint: JointGraph, monkeypatch
 ) -> None:
-    """When the greedy search fits nothing and the exact model's least-recomputation search runs
-    out of its share without a proof, a search for any saved set within the budget comes next
-    (then the least recomputation from it), so that a fitting budget (a least peak stated
-    before) gets a partition rather than another least peak."""
+    """When the greedy search fits nothing, the deterministic least-peak search runs before any
+    search at the budget: at a budget below reach it states a least peak, and at that peak the
+    same search finds the same partition, so the stated least fits."""
     from ckptplan.solvers import orchestrate, partition_exact
 
-    budget = solve_partition(joint, int(0.7 * simulate_partition(joint, no_recompute(joint)).peak_bytes)).report
-    assert budget.peak_bytes < simulate_partition(joint, no_recompute(joint)).peak_bytes
-    missed = Partition(report=simulate_partition(joint, no_recompute(joint)), feasible=False)
-    monkeypatch.setattr(orchestrate, "solve_partition", lambda *args: missed)
+    missed = simulate_partition(joint, no_recompute(joint))
+    monkeypatch.setattr(orchestrate, "solve_partition", lambda *args: Partition(report=missed, feasible=False))
     calls = []
     real = partition_exact.solve_partition_exact
 
-    def exact(graph, budget_bytes, ctx, incumbent=None, *, fit_only=False):
-        calls.append(fit_only)
-        if len(calls) == 1:  # the first search runs out of its time
-            return ExactPartition(report=None, status="unknown", rows=0, rounds=0)
-        return real(graph, budget_bytes, ctx, incumbent, fit_only=fit_only)
+    def exact(graph, budget_bytes, ctx, incumbent=None, *, fit_only=False, deterministic_seconds=None):
+        calls.append(deterministic_seconds is not None)
+        return real(graph, budget_bytes, ctx, incumbent, fit_only=fit_only, deterministic_seconds=deterministic_seconds)
 
     monkeypatch.setattr(partition_exact, "solve_partition_exact", exact)
-    found = solve_partition_step(joint, budget.peak_bytes, solver="auto", time_limit=10)
-    assert calls[:2] == [False, True]
-    assert found.feasible and found.origin == "exact" and found.report.peak_bytes <= budget.peak_bytes
-    assert found.report == simulate_partition(joint, found.report.saved)
+    below = solve_partition_step(joint, joint.static_bytes + 1, solver="auto", time_limit=10)
+    assert not below.feasible and below.origin == "exact" and below.report.peak_bytes < missed.peak_bytes
+    assert calls[0] and not calls[-1]  # the deterministic probes, then the search at the budget
+    calls.clear()
+    at = solve_partition_step(joint, below.report.peak_bytes, solver="auto", time_limit=10)
+    assert calls[0]
+    assert at.feasible and at.report.peak_bytes <= below.report.peak_bytes
+    assert at.report == simulate_partition(joint, at.report.saved)
 
 
 def test_compile_with_the_exact_solver_trains_as_eager_and_measures_as_predicted() -> None:
