@@ -78,7 +78,11 @@ class JointGraph:
     until backward ends (see ``ComputeGraph.outputs_live``). ``replays``: pairs ``(twin,
     original)``: a replayed mask or dropout output, or a value computed from one, and the
     forward's own value it stands for; saving either means the forward saves ``original`` and the backward reads it
-    for ``twin`` (``reading_drawn``).
+    for ``twin`` (``reading_drawn``). ``caller_held``: values the caller holds until backward
+    ends whatever ``outputs_live`` says: a scalar output that is itself the loss it calls
+    ``backward()`` on, and that output's tangent, the seed ``backward()`` makes for it.
+    ``caller_bytes``: what the caller holds meanwhile beyond the graph's values: the loss it
+    sums the outputs into and that loss's seed (``profiler.loss.training_loss``).
     """
 
     name: str
@@ -90,6 +94,8 @@ class JointGraph:
     effects: tuple[int, ...] = ()
     priced_on: str | None = None
     replays: tuple[tuple[int, int], ...] = ()
+    caller_held: tuple[int, ...] = ()
+    caller_bytes: int = 0
 
     @cached_property
     def users(self) -> tuple[tuple[int, ...], ...]:

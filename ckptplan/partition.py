@@ -13,7 +13,8 @@ too), the live bytes at every node are exact for ``backend="aot_eager"``:
   or a saved value, in joint order; it
   lives from its node to its last use in the forward, or, saved or returned, past the forward;
 * between: the caller drops the outputs (unless ``outputs_live``) and its loss's backward hands
-  the tangents over;
+  the tangents over; the loss and its seed stay with the caller (``JointGraph.caller_held``,
+  ``caller_bytes``);
 * backward: the saved values and tangents live until their last use in the backward, every
   value it computes likewise, and the gradients it returns until it ends.
 
@@ -226,17 +227,19 @@ def simulate_partition(
     # Forward.
     run(forward, _last_reads(graph, forward), set(graph.forward_outputs) | saved_set, False)
 
-    # Between: outputs the caller drops, the tangents it hands over.
+    # Between: outputs the caller drops, the tangents it hands over, the loss it holds.
     if not graph.outputs_live:
         for i in graph.forward_outputs:
-            if i not in saved_set:
+            if i not in saved_set and i not in graph.caller_held:
                 release(i)
     for value in values:
         if value.phase == "tangent":
             hold(value.index)
+    live += graph.caller_bytes
 
-    # Backward: its inputs and its values freed after their last use; gradients kept.
-    kept_b = set(graph.backward_outputs)
+    # Backward: its inputs and its values freed after their last use; gradients, and what the
+    # caller holds, kept.
+    kept_b = set(graph.backward_outputs) | set(graph.caller_held)
     if graph.outputs_live:
         kept_b |= set(graph.forward_outputs)
     for i in list(holding):

@@ -11,8 +11,9 @@ writes into a tensor. A dropout the backward reads may be replayed instead
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -103,6 +104,7 @@ def read_joint(
                if n.op == "call_function" and n in index and not n.users and _writes(n) and n not in backward]
     names = {n.name: n for n in index}
     replays = [(index[n], index[names[n.meta[_REPLAYS]]]) for n in index if n.meta.get(_REPLAYS) in names]
+    caller_held, caller_bytes = _callers_loss(joint, returned[:num_fwd_outputs], index)
     return JointGraph(
         name=name,
         values=tuple(values),
@@ -113,7 +115,31 @@ def read_joint(
         effects=tuple(effects),
         priced_on=roofline.source,
         replays=tuple(replays),
+        caller_held=caller_held,
+        caller_bytes=caller_bytes,
     )
+
+
+def _callers_loss(
+    joint: fx.GraphModule, returned: Sequence[Any], index: dict[fx.Node, int]
+) -> tuple[tuple[int, ...], int]:
+    """What the caller's training step (``profiler.loss.training_loss``, then ``backward()``)
+    holds until backward ends: ``JointGraph.caller_held`` and ``caller_bytes``. The tangents are
+    the gradients of the outputs the loss is made of. One scalar output is the loss itself (a
+    view of it), and its tangent the seed ``backward()`` makes and holds; otherwise the loss is a
+    new scalar of the outputs' promoted dtype, and its seed another, which the backward of the
+    sums expands into each output's tangent."""
+    tangents = [n for n in joint.graph.find_nodes(op="placeholder") if is_tangent(n)]
+    vals = [n.meta.get("val") for n in tangents]
+    if not tangents or not all(isinstance(v, torch.Tensor) for v in vals):
+        return (), 0
+    if len(vals) == 1 and vals[0].numel() == 1:
+        scalars = [n for n in returned if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+                   and n.meta["val"].numel() == 1 and n.meta["val"].dtype == vals[0].dtype]
+        if len(scalars) == 1:
+            return (index[scalars[0]], index[tangents[0]]), 0
+    dtype = functools.reduce(torch.promote_types, [v.dtype for v in vals])
+    return (), 2 * dtype.itemsize
 
 
 def is_tangent(node: fx.Node) -> bool:

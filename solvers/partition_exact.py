@@ -390,13 +390,13 @@ class _Model:
         for v in values:
             if v.phase == "tangent":
                 readers = [at.time(at.slot[k]) for k in graph.users[v.index] if k in at.runs]
-                if readers and time <= max(readers):
+                if v.index in graph.caller_held or (readers and time <= max(readers)):
                     for s in v.storages:
                         holds.setdefault(s, []).append([])
-        if graph.outputs_live:
-            for j in graph.forward_outputs:
-                for s in values[j].storages:
-                    holds.setdefault(s, []).append([])
+        for j in (*graph.forward_outputs, *graph.caller_held) if graph.outputs_live else graph.caller_held:
+            for s in values[j].storages:
+                holds.setdefault(s, []).append([])
+        extra.append(graph.caller_bytes)
         for j in self.needed:
             low, high = self.end_bounds[j]
             if high < time:

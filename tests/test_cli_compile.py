@@ -106,7 +106,7 @@ def test_verify_compiles_the_model_with_the_partition_and_measures_it(model_file
     report = json.loads(result.stdout)
     plan = load_any_plan(partition_file)
     assert report["within_budget"] and report["gradients_equal"]
-    assert 0 <= report["measured_peak_bytes"] - plan.prediction.peak_bytes <= 64
+    assert report["measured_peak_bytes"] == plan.prediction.peak_bytes
 
 
 def test_an_autocast_partition_is_verified_under_autocast(model_file: Path) -> None:
@@ -123,7 +123,7 @@ def test_an_autocast_partition_is_verified_under_autocast(model_file: Path) -> N
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["within_budget"] and report["gradients_equal"]
-    assert 0 <= report["measured_peak_bytes"] - plan.prediction.peak_bytes <= 64
+    assert report["measured_peak_bytes"] == plan.prediction.peak_bytes
 
 
 def test_compile_follows_a_plan_file_and_refuses_another_step(partition_file: Path) -> None:
