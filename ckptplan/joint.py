@@ -83,6 +83,9 @@ class JointGraph:
     ``backward()`` on, and that output's tangent, the seed ``backward()`` makes for it.
     ``caller_bytes``: what the caller holds meanwhile beyond the graph's values: the loss it
     sums the outputs into and that loss's seed (``profiler.loss.training_loss``).
+    ``unread_bytes``: the model's state and inputs the step never reads (a buffer only another
+    method uses): resident throughout, as the primals are, and counted with them in
+    ``static_bytes``.
     """
 
     name: str
@@ -96,6 +99,7 @@ class JointGraph:
     replays: tuple[tuple[int, int], ...] = ()
     caller_held: tuple[int, ...] = ()
     caller_bytes: int = 0
+    unread_bytes: int = 0
 
     @cached_property
     def users(self) -> tuple[tuple[int, ...], ...]:
@@ -120,7 +124,7 @@ class JointGraph:
 
     @cached_property
     def static_bytes(self) -> int:
-        return sum(self.storage_bytes[s] for s in self.static_storages)
+        return sum(self.storage_bytes[s] for s in self.static_storages) + self.unread_bytes
 
     @cached_property
     def forward_roots(self) -> tuple[int, ...]:

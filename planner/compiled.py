@@ -48,7 +48,7 @@ from ckptplan.plan import (
     SolverInfo,
     load_any_plan,
 )
-from ckptplan.planner.measure import forward_autocast, measure_step
+from ckptplan.planner.measure import forward_autocast, measure_step, own_bytes
 from ckptplan.profiler.cost import A100, Roofline
 from ckptplan.profiler.joint import (
     REPLAY_OP,
@@ -170,7 +170,7 @@ class Partitioner:
     def __init__(
         self, budget: str | float, *, roofline: Roofline, outputs_live: bool, name: str, solver: str = "auto",
         time_limit: float | None = None, follow: PartitionPlan | None = None, inputs: tuple[TensorSpec, ...] = (),
-        autocast: str | None = None, margin_bytes: int = 0,
+        autocast: str | None = None, margin_bytes: int = 0, resident_bytes: int = 0,
     ) -> None:
         self.budget, self.roofline, self.outputs_live, self.name = budget, roofline, outputs_live, name
         self.solver, self.time_limit = solver, time_limit
@@ -178,6 +178,7 @@ class Partitioner:
         self.inputs = inputs  # the step's tensor inputs, for the plan file
         self.autocast = autocast  # the dtype the forward runs under torch.autocast with, for the plan file
         self.margin_bytes = margin_bytes  # solve for the budget less this (compile's measured check)
+        self.resident_bytes = resident_bytes  # the model's state and the step's inputs, each storage once
         self.plans: list[CompiledPlan] = []
         self.starts: list[list[int]] = []  # the last search's starts (PyTorch's partitions), as value indices
         self.error: CkptPlanError | None = None
@@ -206,6 +207,8 @@ class Partitioner:
             joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live,
             workspaces=_real_device(joint),
         )
+        # State the step never reads is resident all the same (measure_step counts it).
+        graph = dataclasses.replace(graph, unread_bytes=max(0, self.resident_bytes - graph.static_bytes))
         baseline = simulate_partition(graph, no_recompute(graph))
         budget_bytes = parse_budget(self.budget, baseline.peak_bytes)
         started = time.perf_counter()
@@ -457,7 +460,9 @@ def compile(
         raise CkptPlanError(f"autocast={autocast}: use torch.bfloat16, torch.float16 or None.")
     choose_loss_functions(model)
     check_partition_solver(solver)
-    inputs = tuple(TensorSpec.of(t) for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor))
+    tensors = [t for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+    inputs = tuple(TensorSpec.of(t) for t in tensors)
+    resident = own_bytes(model, tensors)
     attempts: list[CompiledPlan] = []
 
     def compiled_step(margin: int, options: dict[str, bool], same: CompiledPlan | None = None) -> tuple:
@@ -468,6 +473,7 @@ def compile(
             budget, roofline=roofline or A100, outputs_live=outputs_live, name=type(model).__name__, solver=solver,
             time_limit=time_limit, follow=same.to_plan() if same is not None else plan, inputs=inputs,
             autocast=str(autocast).removeprefix("torch.") if autocast is not None else None, margin_bytes=margin,
+            resident_bytes=resident,
         )
         with _recompiles_allowed(len(attempts)):  # a step compiled again does not use up the user's recompiles
             compiled = _compiled(model, args, kwargs or {}, partitioner, backend, autocast, options)

@@ -51,8 +51,8 @@ def _assert_trains_as_eager(compiled: nn.Module, model: nn.Module, reference: nn
 
 @pytest.mark.parametrize("budget", [1.0, 0.8, 0.65])
 def test_the_compiled_step_peaks_as_the_partition_model_says(budget: float) -> None:
-    """Under aot_eager the prediction is the allocator's count to the scalar loss's bytes, and
-    a lower budget recomputes more and measures less."""
+    """Under aot_eager the prediction is the allocator's count to the byte, and a lower budget
+    recomputes more and measures less."""
     model, x = _mlp(), torch.randn(1024, 64)
     compiled = ckptplan.compile(model, (x,), budget=budget, backend="aot_eager", outputs_live=False, time_limit=2)
     plan = compiled.ckptplan_plan
@@ -60,6 +60,33 @@ def test_the_compiled_step_peaks_as_the_partition_model_says(budget: float) -> N
     assert bool(plan.recomputed) == (budget < 1.0)
     measured = _measured(compiled, x)
     assert measured == plan.peak_bytes
+
+
+class _MeanSquare(nn.Module):
+    """The model's output is its loss, a scalar; a buffer the step never reads."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("unread", torch.zeros(1000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+def test_what_the_caller_holds_through_the_backward_is_in_the_prediction(scalar: bool) -> None:
+    """The loss the caller calls backward() on and the seed backward() makes for it live through
+    the backward (a scalar output is the loss itself), and state the step never reads is
+    resident all along: at a budget whose peak is in the backward the prediction is the
+    allocator's count to the byte."""
+    model, x = (_MeanSquare(_mlp()) if scalar else _mlp()), torch.randn(1024, 64)
+    compiled = ckptplan.compile(model, (x,), budget=0.75, backend="aot_eager", outputs_live=False, time_limit=2)
+    plan = compiled.ckptplan_plan
+    assert plan.report.peak_in_backward
+    assert (plan.graph.caller_held != (), plan.graph.caller_bytes) == ((True, 0) if scalar else (False, 8))
+    assert plan.graph.unread_bytes == (4000 if scalar else 0)
+    assert _measured(compiled, x) == plan.peak_bytes
 
 
 def test_outputs_the_loop_holds_count_through_the_backward() -> None:
