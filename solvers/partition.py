@@ -84,20 +84,20 @@ def solve_partition(
     While the peak is over the budget the moves do not depend on the budget, so at every budget
     below the least peak it reaches the search ends with the same partition (unless ``ctx``'s
     deadline comes first)."""
-    work = _Work(graph, work_values)
+    work = _Work(graph, ctx, work_values)
     options = [no_recompute(graph), *(must_save(graph, frozenset(start)) for start in starts)]
     reports = [work.simulate(option) for option in options]
     report = min(reports, key=lambda r: (max(r.peak_bytes, budget_bytes), r.recompute_seconds, r.peak_bytes))
     rounds = _ROUNDS_PER_CANDIDATE * max(1, len(graph.saveable))
     try:
-        while report.peak_bytes > budget_bytes and rounds > 0 and not work.over(ctx):
+        while report.peak_bytes > budget_bytes and rounds > 0 and not work.over():
             rounds -= 1
-            move = _best_move(graph, report, ctx, work)
+            move = _best_move(graph, report, work)
             if move is None:
                 break
             report = move
         if report.peak_bytes <= budget_bytes:
-            report = _save_back(graph, report, budget_bytes, ctx, work)
+            report = _save_back(graph, report, budget_bytes, work)
     except KeyboardInterrupt:
         if ctx is None:
             raise
@@ -106,26 +106,25 @@ def solve_partition(
 
 
 class _Work:
-    """The search's simulations, counted in values simulated against an allowance (None: none)."""
+    """The search's simulations, counted in values simulated against an allowance (None: none),
+    and the context whose deadline and Ctrl-C end it too (None: neither)."""
 
-    def __init__(self, graph: JointGraph, allowance: int | None) -> None:
-        self.graph, self.left = graph, allowance
+    def __init__(self, graph: JointGraph, ctx: SolveContext | None, allowance: int | None) -> None:
+        self.graph, self.ctx, self.left = graph, ctx, allowance
 
     def simulate(self, saved: Iterable[int]) -> PartitionReport:
         if self.left is not None:
             self.left -= len(self.graph.values)
         return simulate_partition(self.graph, saved)
 
-    def over(self, ctx: SolveContext | None) -> bool:
-        """The allowance spent, ``ctx`` over, or Ctrl-C pressed."""
-        return (self.left is not None and self.left <= 0) or (ctx is not None and ctx.over())
+    def over(self) -> bool:
+        """The allowance spent, the context over, or Ctrl-C pressed."""
+        return (self.left is not None and self.left <= 0) or (self.ctx is not None and self.ctx.over())
 
 
-def _best_move(
-    graph: JointGraph, report: PartitionReport, ctx: SolveContext | None, work: _Work
-) -> PartitionReport | None:
+def _best_move(graph: JointGraph, report: PartitionReport, work: _Work) -> PartitionReport | None:
     """The report of the move that lowers the peak most per second of recomputation added (of
-    those tried before ``ctx`` is over), or None."""
+    those tried before ``work`` is over), or None."""
     values = graph.values
     saved = frozenset(report.saved)
     static = graph.static_storages
@@ -146,7 +145,7 @@ def _best_move(
         inputs = {j for j in values[i].inputs if values[j].phase == "forward" and not values[j].multi_output}
         options = [saved - {i}, (saved - {i}) | inputs]
         for k, option in enumerate(options):  # grows: the first with its replayed masks saved instead
-            if work.over(ctx):
+            if work.over():
                 return best
             option = must_save(graph, frozenset(option))
             if option == saved:
@@ -178,13 +177,11 @@ def _forward_descendants(graph: JointGraph, roots: list[int]) -> set[int]:
     return found
 
 
-def _save_back(
-    graph: JointGraph, report: PartitionReport, budget_bytes: int, ctx: SolveContext | None, work: _Work
-) -> PartitionReport:
+def _save_back(graph: JointGraph, report: PartitionReport, budget_bytes: int, work: _Work) -> PartitionReport:
     """Save again the recomputed values, costliest first, while the peak stays in budget (and
-    ``ctx`` is not over)."""
+    ``work`` is not over)."""
     for i in sorted(report.recomputed, key=lambda i: (-graph.values[i].cost, i)):
-        if work.over(ctx):
+        if work.over():
             break
         if i not in report.recomputed or graph.values[i].multi_output:  # saved back with another
             continue

@@ -562,8 +562,7 @@ def _fullest(points: list[tuple[tuple, int]]) -> list[tuple[tuple, int]]:
 
 
 def least_partition(
-    graph: JointGraph, ctx: SolveContext, least: PartitionReport, infeasible_bytes: int,
-    deterministic_seconds: float | None = None,
+    graph: JointGraph, ctx: SolveContext, least: PartitionReport, infeasible_bytes: int, deterministic_seconds: float,
 ) -> tuple[PartitionReport, int]:
     """A partition of lower peak than ``least`` where the exact model finds one: a bisection on
     the budget between ``infeasible_bytes``, a budget proved to fit nothing, and the least peak
@@ -573,23 +572,18 @@ def least_partition(
     within ``LEAST_RESOLUTION`` of each other, or when the time is up. Returns the least partition
     found and the greatest budget proved to fit nothing.
 
-    The probes share ``ctx``'s time (its wall clock), or, given ``deterministic_seconds``, that
-    much of CP-SAT's deterministic clock, each probe what the earlier ones left over the probes
-    to come: then the same graph, start and bound give the same least on every run, unless
-    ``ctx``'s deadline cuts a probe short."""
+    The probes share ``deterministic_seconds`` of CP-SAT's deterministic clock, each probe what
+    the earlier ones left over the probes to come, so that the same graph, start and bound give
+    the same least on every run, unless ``ctx``'s deadline cuts a probe short."""
     probe_ctx = ctx.unscored()
     low = infeasible_bytes  # budgets at or below it are proved infeasible, or given up on
     left = deterministic_seconds
     for probes_left in range(LEAST_PROBES, 0, -1):
-        if ctx.over() or least.peak_bytes - low <= LEAST_RESOLUTION * least.peak_bytes or (left is not None and left <= 0):
+        if ctx.over() or left <= 0 or least.peak_bytes - low <= LEAST_RESOLUTION * least.peak_bytes:
             break
         budget = (low + least.peak_bytes) // 2
-        if left is None:
-            found = solve_partition_exact(graph, budget, probe_ctx.within(ctx.left() / probes_left), fit_only=True)
-        else:
-            found = solve_partition_exact(graph, budget, probe_ctx, fit_only=True,
-                                          deterministic_seconds=left / probes_left)
-            left -= found.deterministic_seconds
+        found = solve_partition_exact(graph, budget, probe_ctx, fit_only=True, deterministic_seconds=left / probes_left)
+        left -= found.deterministic_seconds
         if found.report is not None:
             least = found.report
         else:

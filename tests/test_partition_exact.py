@@ -153,7 +153,8 @@ def test_the_least_peak_bisection_ends_near_the_least_there_is(seed: int) -> Non
     every = _every_partition(graph)
     lowest = min(r.peak_bytes for r in every)
     fullest = max(every, key=lambda r: r.peak_bytes)
-    least, infeasible = least_partition(graph, SolveContext.limited(30), fullest, graph.static_bytes)
+    least, infeasible = least_partition(graph, SolveContext.limited(30), fullest, graph.static_bytes,
+                                        deterministic_seconds=3.0)
     assert least == simulate_partition(graph, least.saved)
     assert infeasible < lowest <= least.peak_bytes
     assert least.peak_bytes - infeasible <= LEAST_RESOLUTION * least.peak_bytes or least.peak_bytes == lowest
