@@ -13,7 +13,10 @@ purpose:
 
 A phase given a share of the time gets ``within(seconds)``: its own ``limit``, a deadline no
 later than its parent's, the same cancel flag; one that may use whatever its parent leaves gets
-``sized(seconds)``, its parent's deadline.
+``sized(seconds)``, its parent's deadline. A phase whose answer is promised across runs (the
+least peak an error states, which the next solve at that budget must reach again) gets
+``promised(seconds)``: its own ``limit`` and the whole solve's deadline (``end``), so that a
+share's wall clock on a loaded machine does not cut its deterministic clock short.
 
 Phases say what they are doing through ``report``: the phase, a plan they found, a bound they
 proved. The context keeps the cheapest plan and highest bound reported by any phase of the solve
@@ -58,6 +61,7 @@ class SolveContext:
     board: _Board = field(default_factory=_Board, compare=False, repr=False)
     scored: bool = True  # its plans and bounds are the solve's own (not a sub-graph's or a changed graph's)
     started: float = field(default_factory=time.perf_counter, compare=False)  # when this phase began
+    end: float | None = None  # the whole solve's deadline, which every phase inherits (None: ``deadline``)
 
     @classmethod
     def limited(
@@ -66,7 +70,8 @@ class SolveContext:
         """A fresh context of ``seconds`` (None: ``default``; ``math.inf``: no wall-clock end) whose
         phases' reports go to ``on_progress``."""
         limit = default if seconds is None else max(0.0, float(seconds))
-        return cls(limit=limit, deadline=time.perf_counter() + limit, board=_Board(listener=on_progress))
+        deadline = time.perf_counter() + limit
+        return cls(limit=limit, deadline=deadline, board=_Board(listener=on_progress), end=deadline)
 
     def within(self, seconds: float) -> SolveContext:
         """A phase of at most ``seconds``, ending no later than this context."""
@@ -81,6 +86,12 @@ class SolveContext:
     def sized(self, seconds: float) -> SolveContext:
         """A phase sized for ``seconds`` (its ``limit``) that may run until this context's deadline."""
         return replace(self, limit=max(0.0, seconds))
+
+    def promised(self, seconds: float) -> SolveContext:
+        """A phase sized for ``seconds`` (its ``limit``, which sizes its deterministic clock) that
+        may run until the whole solve's deadline: for answers a later solve must find again."""
+        end = self.deadline if self.end is None else max(self.deadline, self.end)
+        return replace(self, limit=max(0.0, seconds), deadline=end)
 
     def unscored(self) -> SolveContext:
         """This context for work on another graph (a block, the graph with ops rematerialised),

@@ -199,7 +199,7 @@ def solve_flat(
         return solution(graph, (), "ilp", status="optimal", gap=0.0, note="the budget holds the step without checkpointing")
     warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, ctx)
     if not warm:
-        warm = [_least_plan(graph, budget_bytes, ctx.within(limit * tuning.LEAST_SHARE), workers=workers, seed=seed,
+        warm = [_least_plan(graph, budget_bytes, ctx.promised(limit * tuning.LEAST_SHARE), workers=workers, seed=seed,
                             window=window)]
     refine_seconds = max(tuning.REFINE_MIN_SECONDS, limit * tuning.REFINE_SHARE)
     start = starting_plan(graph, warm, budget_bytes,

@@ -49,17 +49,21 @@ def _assert_trains_as_eager(compiled: nn.Module, model: nn.Module, reference: nn
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("budget", [1.0, 0.8, 0.65])
-def test_the_compiled_step_peaks_as_the_partition_model_says(budget: float) -> None:
+def test_the_compiled_step_peaks_as_the_partition_model_says() -> None:
     """Under aot_eager the prediction is the allocator's count to the byte, and a lower budget
     recomputes more and measures less."""
-    model, x = _mlp(), torch.randn(1024, 64)
-    compiled = ckptplan.compile(model, (x,), budget=budget, backend="aot_eager", outputs_live=False, time_limit=2)
-    plan = compiled.ckptplan_plan
-    assert plan.peak_bytes <= plan.budget_bytes
-    assert bool(plan.recomputed) == (budget < 1.0)
-    measured = _measured(compiled, x)
-    assert measured == plan.peak_bytes
+    x = torch.randn(1024, 64)
+    peaks = []
+    for budget in (1.0, 0.8, 0.65):
+        torch._dynamo.reset()
+        compiled = ckptplan.compile(_mlp(), (x,), budget=budget, backend="aot_eager", outputs_live=False,
+                                    time_limit=2)
+        plan = compiled.ckptplan_plan
+        assert plan.peak_bytes <= plan.budget_bytes
+        assert bool(plan.recomputed) == (budget < 1.0)
+        peaks.append(_measured(compiled, x))
+        assert peaks[-1] == plan.peak_bytes
+    assert peaks[0] > peaks[1] > peaks[2]
 
 
 class _MeanSquare(nn.Module):
@@ -79,9 +83,11 @@ def test_what_the_caller_holds_through_the_backward_is_in_the_prediction(scalar:
     """The loss the caller calls backward() on and the seed backward() makes for it live through
     the backward (a scalar output is the loss itself), and state the step never reads is
     resident all along: at a budget whose peak is in the backward the prediction is the
-    allocator's count to the byte."""
+    allocator's count to the byte. The greedy search alone runs until it is done, so the plan (and
+    where it peaks) is the same on every run; the exact model's least recomputation may tie
+    between partitions that peak in the forward and in the backward."""
     model, x = (_MeanSquare(_mlp()) if scalar else _mlp()), torch.randn(1024, 64)
-    compiled = ckptplan.compile(model, (x,), budget=0.75, backend="aot_eager", outputs_live=False, time_limit=2)
+    compiled = ckptplan.compile(model, (x,), budget=0.75, backend="aot_eager", outputs_live=False, solver="greedy")
     plan = compiled.ckptplan_plan
     assert plan.report.peak_in_backward
     assert (plan.graph.caller_held != (), plan.graph.caller_bytes) == ((True, 0) if scalar else (False, 8))
@@ -116,17 +122,6 @@ def test_convolution_workspaces_are_in_the_compiled_prediction() -> None:
         plan = compiled.ckptplan_plan
         assert any(v.workspace_bytes for v in plan.graph.values if "convolution" in v.op)
         assert _measured(compiled, x) == plan.peak_bytes
-
-
-def test_lower_budgets_measure_lower_peaks() -> None:
-    x = torch.randn(1024, 64)
-    peaks = []
-    for budget in (1.0, 0.8, 0.65):
-        torch._dynamo.reset()
-        compiled = ckptplan.compile(_mlp(), (x,), budget=budget, backend="aot_eager", outputs_live=False,
-                                    time_limit=2)
-        peaks.append(_measured(compiled, x))
-    assert peaks[0] > peaks[1] > peaks[2]
 
 
 def test_gradients_equal_eager_with_dropout() -> None:
@@ -468,7 +463,8 @@ def test_a_transformers_model_compiles_whole_and_measures_as_predicted() -> None
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=100, use_cache=False,
                                      bos_token_id=0, eos_token_id=0)
     model, ids = transformers.GPT2LMHeadModel(config), torch.randint(0, 100, (4, 32))
-    compiled = ckptplan.compile(model, (ids,), {"labels": ids}, budget=0.8, backend="aot_eager", outputs_live=False)
+    compiled = ckptplan.compile(model, (ids,), {"labels": ids}, budget=0.8, backend="aot_eager", outputs_live=False,
+                                time_limit=3)
     ckptplan.measure_step(compiled, (ids,), {"labels": ids}, outputs_live=False)
     measured = ckptplan.measure_step(compiled, (ids,), {"labels": ids}, outputs_live=False).peak_bytes
     assert measured == compiled.ckptplan_plan.peak_bytes

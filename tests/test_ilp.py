@@ -40,6 +40,7 @@ from ckptplan.solvers.ilp_lazy import (
 from ckptplan.solvers.ilp_model import COST_SCALE, add_events, build_model
 from ckptplan.solvers.sqrt import least_peak_regions, solve_sqrt
 from tests import models
+from tests.architectures import ARCHITECTURES
 from tests.conftest import assert_same_gradients, load_example
 from tests.ilp_oracles import model_cost, model_peak
 from tests.plan_spaces import one_level_plans, random_plan
@@ -225,6 +226,24 @@ def test_a_stopped_least_peak_search_still_names_sqrt_s_least() -> None:
     peak = least_peak(graph, SolveContext.limited(1.0), deterministic_seconds=0.001, workers=1, seed=0,
                       window=None).peak_bytes
     assert peak <= sqrt_least < baseline_peak_bytes(graph)
+
+
+def test_the_least_peak_an_error_states_is_the_same_when_its_share_of_the_clock_ran_out() -> None:
+    """The least-peak search runs on CP-SAT's deterministic clock to the whole solve's deadline,
+    not to its share's (``SolveContext.promised``): on a loaded machine, where the share's wall
+    clock is spent before the search, the least an error states is still the one a solve at that
+    budget finds again."""
+    model, args, kwargs = ARCHITECTURES["densenet"]()  # where one-level plans reach below dp's nested ones
+    graph = ckptplan.profile(model, args, kwargs)
+    budget = graph.static.resident_bytes + 1
+    with pytest.raises(InfeasibleBudgetError) as calm:
+        solve_ilp(graph, budget, SolveContext.limited(5))
+    spent = replace(SolveContext.limited(60).within(5), deadline=time.perf_counter())  # the share is over
+    with pytest.raises(InfeasibleBudgetError) as loaded:
+        solve_ilp(graph, budget, spent)
+    least = calm.value.min_peak_bytes
+    assert loaded.value.min_peak_bytes == least < least_peak_regions(graph)[1]
+    assert solve_ilp(graph, least, SolveContext.limited(5)).peak_bytes <= least
 
 
 def test_variables_are_named_and_the_window_bounds_regions() -> None:
