@@ -205,10 +205,8 @@ class Partitioner:
             starts += _min_cut_starts(joint, num_fwd_outputs, kwargs)
         graph = read_joint(
             joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live,
-            workspaces=_real_device(joint),
+            workspaces=_real_device(joint), resident_bytes=self.resident_bytes,
         )
-        # State the step never reads is resident all the same (measure_step counts it).
-        graph = dataclasses.replace(graph, unread_bytes=max(0, self.resident_bytes - graph.static_bytes))
         baseline = simulate_partition(graph, no_recompute(graph))
         budget_bytes = parse_budget(self.budget, baseline.peak_bytes)
         started = time.perf_counter()

@@ -37,11 +37,13 @@ def read_joint(
     name: str = "joint",
     outputs_live: bool = True,
     workspaces: torch.device | None = None,
+    resident_bytes: int = 0,
 ) -> JointGraph:
     """The ``JointGraph`` of ``joint``, whose output node returns the forward's
     ``num_fwd_outputs`` outputs, then the gradients of its primals. ``workspaces``: run each
     distinct op once for real on this device to measure its kernel's workspace
-    (``profiler.workspace``)."""
+    (``profiler.workspace``). ``resident_bytes``: the model's state and the step's inputs, as
+    the caller holds them; what of them the step never reads is ``unread_bytes``."""
     storage_of: dict[Any, int] = {}
     storage_bytes: list[int] = []
     index: dict[fx.Node, int] = {}
@@ -105,7 +107,7 @@ def read_joint(
     names = {n.name: n for n in index}
     replays = [(index[n], index[names[n.meta[_REPLAYS]]]) for n in index if n.meta.get(_REPLAYS) in names]
     caller_held, caller_bytes = _callers_loss(joint, returned[:num_fwd_outputs], index)
-    return JointGraph(
+    graph = JointGraph(
         name=name,
         values=tuple(values),
         storage_bytes=tuple(storage_bytes),
@@ -118,6 +120,7 @@ def read_joint(
         caller_held=caller_held,
         caller_bytes=caller_bytes,
     )
+    return replace(graph, unread_bytes=max(0, resident_bytes - graph.static_bytes))
 
 
 def _callers_loss(
