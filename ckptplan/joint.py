@@ -83,9 +83,10 @@ class JointGraph:
     ``backward()`` on, and that output's tangent, the seed ``backward()`` makes for it.
     ``caller_bytes``: what the caller holds meanwhile beyond the graph's values: the loss it
     sums the outputs into and that loss's seed (``profiler.loss.training_loss``).
-    ``unread_bytes``: the model's state and inputs the step never reads (a buffer only another
-    method uses): resident throughout, as the primals are, and counted with them in
-    ``static_bytes``.
+    ``resident_bytes``: the model's state and the step's inputs as the caller holds them, each
+    storage once (0: the primals alone). What of them the step never reads (a buffer only another
+    method uses), ``unread_bytes``, is resident throughout, as the primals are, and counted with
+    them in ``static_bytes``.
     """
 
     name: str
@@ -99,7 +100,7 @@ class JointGraph:
     replays: tuple[tuple[int, int], ...] = ()
     caller_held: tuple[int, ...] = ()
     caller_bytes: int = 0
-    unread_bytes: int = 0
+    resident_bytes: int = 0
 
     @cached_property
     def users(self) -> tuple[tuple[int, ...], ...]:
@@ -124,7 +125,11 @@ class JointGraph:
 
     @cached_property
     def static_bytes(self) -> int:
-        return sum(self.storage_bytes[s] for s in self.static_storages) + self.unread_bytes
+        return max(sum(self.storage_bytes[s] for s in self.static_storages), self.resident_bytes)
+
+    @cached_property
+    def unread_bytes(self) -> int:
+        return self.static_bytes - sum(self.storage_bytes[s] for s in self.static_storages)
 
     @cached_property
     def forward_roots(self) -> tuple[int, ...]:

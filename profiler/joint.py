@@ -43,7 +43,7 @@ def read_joint(
     ``num_fwd_outputs`` outputs, then the gradients of its primals. ``workspaces``: run each
     distinct op once for real on this device to measure its kernel's workspace
     (``profiler.workspace``). ``resident_bytes``: the model's state and the step's inputs, as
-    the caller holds them; what of them the step never reads is ``unread_bytes``."""
+    the caller holds them (``JointGraph.resident_bytes``)."""
     storage_of: dict[Any, int] = {}
     storage_bytes: list[int] = []
     index: dict[fx.Node, int] = {}
@@ -107,7 +107,7 @@ def read_joint(
     names = {n.name: n for n in index}
     replays = [(index[n], index[names[n.meta[_REPLAYS]]]) for n in index if n.meta.get(_REPLAYS) in names]
     caller_held, caller_bytes = _callers_loss(joint, returned[:num_fwd_outputs], index)
-    graph = JointGraph(
+    return JointGraph(
         name=name,
         values=tuple(values),
         storage_bytes=tuple(storage_bytes),
@@ -119,8 +119,8 @@ def read_joint(
         replays=tuple(replays),
         caller_held=caller_held,
         caller_bytes=caller_bytes,
+        resident_bytes=resident_bytes,
     )
-    return replace(graph, unread_bytes=max(0, resident_bytes - graph.static_bytes))
 
 
 def _callers_loss(
