@@ -45,7 +45,7 @@ def test_examples_predicted_peak_matches_memtracker(example_name: str) -> None:
     measured_peaks = []
     for fraction, solver in ((0.9, "sqrt"), (0.75, "sqrt"), (0.6, "auto")):
         try:
-            plan = ckptplan.solve(graph, fraction, solver=solver, time_limit=4)  # auto with a shorter search
+            plan = ckptplan.solve(graph, fraction, solver=solver, time_limit=2)  # auto with a shorter search
         except InfeasibleBudgetError:
             assert solver == "sqrt", "auto must reach the Quickstart's budget"
             continue
