@@ -12,8 +12,8 @@ of an untouched copy of the model. Each model's first row is the emitted module 
 the no-checkpoint prediction's own subject. A budget a solver cannot reach is listed as
 infeasible with the least peak it reached.
 
-Issue #5 asks for every |error| within 3% and, per model and solver, a measured peak that does
-not rise as the budget falls; the summary lines after the table report both. A second table
+The targets: every |error| within 3% and, per model and solver, a measured peak that does not
+rise as the budget falls; the summary lines after the table report both. A second table
 compares the traced graph without regions with the model's own code, whose peak the plans do
 not promise (``transformers`` attention takes another path under ``torch.export``).
 
@@ -49,7 +49,7 @@ from ckptplan.units import format_bytes
 log = logging.getLogger("accuracy")
 
 ROOT = Path(__file__).resolve().parents[1]
-TOLERANCE = 0.03  # issue #5: worst |predicted - measured| / measured
+TOLERANCE = 0.03  # the target: worst |predicted - measured| / measured
 SOLVERS = ("sqrt", "dp", "ilp", "auto")
 BUDGETS = (0.9, 0.7, 0.5)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}

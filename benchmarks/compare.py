@@ -73,10 +73,9 @@ COMPILE_ALL_SOLVERS_AT = (0.5,)  # the other budgets use the default "dp" only, 
 EVERY_NTH = 2
 SAME_BUDGET = 0.01  # peer peaks within 1% of each other give one ckptplan budget
 LOW_BUDGET_FACTOR = 0.8  # an extra budget: the least peak any peer reached, times this
-WITHIN_BUDGET = 1.03  # a measured peak up to 3% over budget counts as within (DESIGN.md: "within 3%")
-# Step-time ratios closer than this count as a tie: the GPT example timed against its own copy this
-# way gave 0.97-1.03 on this machine (1 thread, the other core busy); each run reports its own
-# copy-vs-original ratio per model (ModelResult.self_ratio).
+WITHIN_BUDGET = 1.03  # a measured peak up to 3% over budget counts as within (docs/design.md, "Memory and time")
+# Step-time ratios closer than this count as a tie: each run reports its own copy-vs-original ratio
+# per model (ModelResult.self_ratio; docs/tuning.md, "Benchmark settings").
 TIME_NOISE = 0.05
 
 # What the torchtitan-style policy saves: the outputs of matmul-like and attention ops (torchtitan's
@@ -195,8 +194,7 @@ def _unet_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 # Batches are smaller than the examples' defaults so the default run fits its 15-minute target on
-# two shared CPU cores; the model shapes are the examples' own. (GPT's batch of 4 took 381 s of a
-# 17-min run on a slow day here, over a third of it; its batch of 2 halves every step.)
+# two shared CPU cores; the model shapes are the examples' own.
 CASES: dict[str, Case] = {
     case.name: case
     for case in (
@@ -450,10 +448,7 @@ class Settings:
     """Command-line choices that shape a run."""
 
     repeats: int = 5
-    # ilp and auto each. At 8 s the default run took 14.2 min here, at 6 s 16.9 min on a slow day;
-    # at 4 s, on GPT and BERT at 6 budgets each, ilp and auto found plans as cheap as at 6 s in 21 of
-    # the 24 (solver, budget) pairs, and within 2.3% of their cost in the others (one of them cheaper).
-    time_limit: float = 4.0
+    time_limit: float = 4.0  # seconds per ilp and auto solve (docs/tuning.md, "Benchmark settings")
     compile_budgets: tuple[float, ...] = COMPILE_BUDGETS
     compile_solvers: tuple[str, ...] = COMPILE_SOLVERS
     compile_all_solvers_at: tuple[float, ...] = COMPILE_ALL_SOLVERS_AT

@@ -65,7 +65,7 @@ class Family:
 
 
 def _llama(tiny: bool, device: torch.device) -> tuple[nn.Module, tuple, dict]:
-    """8 layers, width 2048, 16 heads, MLP 5632, sequence 2048, batch 4 (the GPU issue's model)."""
+    """8 layers, width 2048, 16 heads, MLP 5632, sequence 2048, batch 4 (the Llama-shaped model of the H200 measurements, docs/results.md)."""
     import transformers
 
     torch.manual_seed(0)

@@ -37,7 +37,7 @@ from ckptplan.profiler.loss import training_loss
 
 MIB = 2**20
 SECTIONS = ("plans", "costs", "pricing")
-TIME_LIMITS = (6.0, 60.0)  # compare.py's per-solve limit; the default
+TIME_LIMITS = (6.0, 60.0)  # a short solve, and ilp's default
 
 
 def matmul_flops(module: torch.nn.Module, work: compare.Workload) -> int:

@@ -33,8 +33,8 @@ _LAZY = {
     "profile": "ckptplan.profiler",
     "solve": "ckptplan.solvers",
     "available_solvers": "ckptplan.solvers",
-    "simulate": "ckptplan.planner",
-    "make_plan": "ckptplan.planner",
+    "simulate": "ckptplan.simulation",  # the core's own, without torch
+    "make_plan": "ckptplan.build",
     "emit": "ckptplan.planner",
     "checkpoint": "ckptplan.planner",
     "apply": "ckptplan.planner",

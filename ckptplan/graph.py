@@ -273,6 +273,13 @@ class ComputeGraph:
         return len(self.nodes)
 
     @cached_property
+    def memo(self) -> dict[str, Any]:
+        """Scratch space for work derived from this graph alone, whatever the budget, filled by
+        whoever derives it (``solvers.memo``); not part of the graph's value (never compared,
+        hashed or written), and gone with the graph."""
+        return {}
+
+    @cached_property
     def index_of(self) -> dict[str, int]:
         return {node.name: node.index for node in self.nodes}
 

@@ -1,4 +1,4 @@
-"""Mixed precision (issue #5): profiling a step whose forward runs under ``torch.autocast``.
+"""Mixed precision: profiling a step whose forward runs under ``torch.autocast``.
 
 The step is PyTorch's AMP recipe, forward and loss inside ``torch.autocast``, backward outside
 it; the prediction is checked against MemTracker over that step on CPU, for the model and for an

@@ -1,4 +1,4 @@
-"""``torch.compile`` of an emitted module (issue #7): one compiled training step gives the eager
+"""``torch.compile`` of an emitted module: one compiled training step gives the eager
 original's outputs, gradients and buffers, and the plan's regions and keep-sets reach the
 compiled graphs as recomputation and saved tensors.
 

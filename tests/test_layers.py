@@ -1,4 +1,4 @@
-"""The import structure DESIGN.md states, read from the source: the core's layers import only the
+"""The import structure docs/design.md states, read from the source: the core's layers import only the
 layers below them, the folders point one way (cli → planner → {profiler, solvers} → core), and
 solvers never import torch. Imports under ``if TYPE_CHECKING:`` are annotations, not dependencies,
 and are left out; imports inside functions count."""
@@ -108,3 +108,22 @@ def test_solvers_and_the_core_never_import_torch() -> None:
     for path in [*sorted((ROOT / "solvers").glob("*.py")), *sorted((ROOT / "ckptplan").glob("*.py"))]:
         torch_imports = sorted(m for m in runtime_imports(path) if m.split(".")[0] == "torch")
         assert not torch_imports, f"{path.relative_to(ROOT)} imports {torch_imports[0]}"
+
+
+def test_the_facade_takes_each_name_from_its_own_layer() -> None:
+    """``ckptplan``'s lazily loaded names come from the modules that define them: the simulator
+    and ``make_plan`` from the core, so using them loads no torch; the rest from the folders
+    above, each the object that folder exports."""
+    import importlib
+    import subprocess
+    import sys
+
+    import ckptplan
+
+    core = {name: module for name, module in ckptplan._LAZY.items() if module.split(".")[1] not in SUBPACKAGES}
+    assert core == {"simulate": "ckptplan.simulation", "make_plan": "ckptplan.build"}
+    for name, module in ckptplan._LAZY.items():
+        assert getattr(ckptplan, name) is getattr(importlib.import_module(module), name), name
+    script = "import sys, ckptplan; ckptplan.simulate, ckptplan.make_plan; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

@@ -23,7 +23,7 @@ from tests import models
 from tests.conftest import load_example
 from tests.ilp_oracles import model_peak
 
-TOLERANCE = 0.03  # relative; issue #2 asks for 5%, #5 for 3%
+TOLERANCE = 0.03  # relative: docs/design.md, "Memory and time"
 # Scalars the model does not place exactly: the loss and seed beside MemTracker's, and under the
 # allocator's count the 0-dim tensors ops make of Python numbers (a GPT-2 step: 43 bytes at its peak).
 SCALAR_SLACK_BYTES = 64
@@ -36,7 +36,7 @@ def _assert_close(predicted: int, measured: int, what: str) -> None:
 
 def test_examples_predicted_peak_matches_memtracker(example_name: str) -> None:
     """The sqrt solver's plans at 90% and 75% of the baseline, and ``auto``'s at 60% (the
-    Quickstart's budget; issue #2's acceptance check: the measured peak fits), each measured in
+    Quickstart's budget, whose measured peak must fit), each measured in
     a real step: within 3% of the prediction, and sqrt's falling with the budget (auto spends a
     budget on recomputing less, so its peak may sit above a plan made for a larger one)."""
     model, args = load_example(example_name).build()
@@ -120,7 +120,7 @@ def _transformers_case(name: str):
     return tf.ViTForImageClassification(config), (torch.randn(4, 3, 32, 32),), {"labels": torch.randint(0, 3, (4,))}
 
 
-# Issue #5's zoo, at sizes where a step's fixed few hundred bytes (index temporaries, scalars)
+# The zoo, at sizes where a step's fixed few hundred bytes (index temporaries, scalars)
 # are small against its tensors, and `transformers` models from small configs: model, args, kwargs.
 ZOO = {
     "mlp": lambda: (models.mlp(depth=6, width=256), (torch.randn(512, 256),), {}),
@@ -144,7 +144,7 @@ ZOO = {
 
 @pytest.mark.parametrize("case", sorted(ZOO))
 def test_every_solver_plan_trains_equally_within_budget(case: str) -> None:
-    """Issue #5 for every model of the zoo and every solver: profile -> solve -> emit -> one step.
+    """Every model of the zoo and every solver: profile -> solve -> emit -> one step.
     The emitted module's loss, gradients and buffers equal the original's (dropout replayed), and
     its measured peak is within the budget and within 3% of the prediction. The budget is 70% of
     the no-checkpoint peak, or the least the solver reaches. One profile serves every solver; the

@@ -1,4 +1,4 @@
-"""Target kernels (issue #5): ``profile(..., target="cuda")`` records dropout as CUDA runs it.
+"""Target kernels: ``profile(..., target="cuda")`` records dropout as CUDA runs it.
 
 ATen's ``dropout`` on CUDA calls ``native_dropout``, whose backward keeps a ``torch.bool`` mask
 (1 byte per element); on CPU and meta it keeps its scaling noise in the input's dtype. A model
