@@ -5,11 +5,15 @@ exact model of the two graphs it gives, so what it returns holds by construction
 
 The search is greedy, in the manner of the memory-peak heuristics of Checkmate's baselines and
 of PyTorch's own partitioner: start from saving every forward value the backward reads (no
-recomputation), or from a partition the caller hands over when that is better; while the peak is over the budget, among the saved values live at the peak,
-stop saving the one that lowers the peak most per second of recomputation it adds (recomputed
-from what stays saved, from its own inputs saved instead, or with the dropout masks it would
-replay saved instead); then, in order of cost, save
-again each recomputed value whose saving keeps the peak within the budget. Values that draw
+recomputation), or from a partition the caller hands over when that is better; while the peak
+is over the budget, among the saved values live at the peak, stop saving the one that lowers
+the peak most per second of recomputation it adds (recomputed from what stays saved, from its
+own inputs saved instead, or with the dropout masks it would replay saved instead), or, once
+some of those moves bring the peak within the budget, the cheapest of them; then, in order of
+cost, save again each recomputed value whose saving keeps the peak within the budget. When a
+start fits, the starts that recompute less but peak over the budget are searched from too
+(the nearest to fitting first: a partition a few bytes over is often one cheap move from
+fitting), and the cheapest fit wins. Values that draw
 random numbers or write to state are never recomputed as they ran: a dropout mask is saved, or
 replayed from the generator's saved state (``ckptplan.joint``), so gradients equal eager's.
 """
@@ -87,22 +91,53 @@ def solve_partition(
     work = _Work(graph, ctx, work_values)
     options = [no_recompute(graph), *(must_save(graph, frozenset(start)) for start in starts)]
     reports = [work.simulate(option) for option in options]
-    report = min(reports, key=lambda r: (max(r.peak_bytes, budget_bytes), r.recompute_seconds, r.peak_bytes))
-    rounds = _ROUNDS_PER_CANDIDATE * max(1, len(graph.saveable))
+    fitting = [r for r in reports if r.peak_bytes <= budget_bytes]
+    if fitting:
+        first = min(fitting, key=lambda r: (r.recompute_seconds, r.peak_bytes))
+        cheaper = sorted((r for r in reports if r.peak_bytes > budget_bytes
+                          and r.recompute_seconds < first.recompute_seconds),
+                         key=lambda r: (r.peak_bytes, r.recompute_seconds))  # the nearest to fitting first
+        origins = [first, *cheaper]
+    else:  # the least peak first: what the search then reaches does not depend on the budget
+        origins = [min(reports, key=lambda r: (r.peak_bytes, r.recompute_seconds))]
+    found: list[PartitionReport] = []
+    descent = _Descent(origins[0])
     try:
-        while report.peak_bytes > budget_bytes and rounds > 0 and not work.over():
-            rounds -= 1
-            move = _best_move(graph, report, work)
-            if move is None:
+        for origin in origins:
+            descent = _Descent(origin)
+            _descend(graph, descent, budget_bytes, work)
+            found.append(descent.report)
+            if work.over():
                 break
-            report = move
-        if report.peak_bytes <= budget_bytes:
-            report = _save_back(graph, report, budget_bytes, work)
     except KeyboardInterrupt:
         if ctx is None:
             raise
-        ctx.cancel.set()  # the partition so far stands; the caller's later phases see the flag
+        ctx.cancel.set()  # the partitions so far stand; the caller's later phases see the flag
+        found.append(descent.report)
+    fits = [r for r in found if r.peak_bytes <= budget_bytes]
+    report = min(fits, key=lambda r: (r.recompute_seconds, r.peak_bytes)) if fits else found[0]
     return Partition(report=report, feasible=report.peak_bytes <= budget_bytes)
+
+
+@dataclass
+class _Descent:
+    """One descent's partition so far (kept current, so that Ctrl-C loses nothing)."""
+
+    report: PartitionReport
+
+
+def _descend(graph: JointGraph, descent: _Descent, budget_bytes: int, work: _Work) -> None:
+    """Moves from ``descent.report`` while its peak is over ``budget_bytes`` (at most
+    ``_ROUNDS_PER_CANDIDATE`` per saveable value), then, once it fits, saves back what fits."""
+    rounds = _ROUNDS_PER_CANDIDATE * max(1, len(graph.saveable))
+    while descent.report.peak_bytes > budget_bytes and rounds > 0 and not work.over():
+        rounds -= 1
+        move = _best_move(graph, descent.report, budget_bytes, work)
+        if move is None:
+            break
+        descent.report = move
+    if descent.report.peak_bytes <= budget_bytes:
+        descent.report = _save_back(graph, descent.report, budget_bytes, work)
 
 
 class _Work:
@@ -122,9 +157,10 @@ class _Work:
         return (self.left is not None and self.left <= 0) or (self.ctx is not None and self.ctx.over())
 
 
-def _best_move(graph: JointGraph, report: PartitionReport, work: _Work) -> PartitionReport | None:
-    """The report of the move that lowers the peak most per second of recomputation added (of
-    those tried before ``work`` is over), or None."""
+def _best_move(graph: JointGraph, report: PartitionReport, budget_bytes: int, work: _Work) -> PartitionReport | None:
+    """The report of the cheapest move that brings the peak within ``budget_bytes``, else of the
+    move that lowers the peak most per second of recomputation added (of those tried before
+    ``work`` is over), or None."""
     values = graph.values
     saved = frozenset(report.saved)
     static = graph.static_storages
@@ -141,12 +177,13 @@ def _best_move(graph: JointGraph, report: PartitionReport, work: _Work) -> Parti
     # lower the graph's peak the step is at without raising the other.
     at_peak = "backward_peak_bytes" if report.peak_in_backward else "forward_peak_bytes"
     best, best_score = None, (0, 0.0)
+    fit: PartitionReport | None = None  # the cheapest move within the budget
     for i in candidates:
         inputs = {j for j in values[i].inputs if values[j].phase == "forward" and not values[j].multi_output}
         options = [saved - {i}, (saved - {i}) | inputs]
         for k, option in enumerate(options):  # grows: the first with its replayed masks saved instead
             if work.over():
-                return best
+                return fit or best
             option = must_save(graph, frozenset(option))
             if option == saved:
                 continue
@@ -154,6 +191,9 @@ def _best_move(graph: JointGraph, report: PartitionReport, work: _Work) -> Parti
             replayed = {graph.drawn_for[j] for j in trial.recomputed if j in graph.drawn_for}
             if k == 0 and replayed:
                 options.append(options[0] | replayed)
+            if trial.peak_bytes <= budget_bytes and (
+                    fit is None or (trial.recompute_seconds, trial.peak_bytes) < (fit.recompute_seconds, fit.peak_bytes)):
+                fit = trial
             gain = report.peak_bytes - trial.peak_bytes
             local = getattr(report, at_peak) - getattr(trial, at_peak)
             if gain < 0 or (gain == 0 and local <= 0):
@@ -162,7 +202,7 @@ def _best_move(graph: JointGraph, report: PartitionReport, work: _Work) -> Parti
             score = (1, gain / added) if gain > 0 else (0, local / added)
             if score > best_score:
                 best, best_score = trial, score
-    return best
+    return fit or best
 
 
 def _forward_descendants(graph: JointGraph, roots: list[int]) -> set[int]:

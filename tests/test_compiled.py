@@ -87,7 +87,7 @@ def test_what_the_caller_holds_through_the_backward_is_in_the_prediction(scalar:
     where it peaks) is the same on every run; the exact model's least recomputation may tie
     between partitions that peak in the forward and in the backward."""
     model, x = (_MeanSquare(_mlp()) if scalar else _mlp()), torch.randn(1024, 64)
-    compiled = ckptplan.compile(model, (x,), budget=0.75, backend="aot_eager", outputs_live=False, solver="greedy")
+    compiled = ckptplan.compile(model, (x,), budget=0.65, backend="aot_eager", outputs_live=False, solver="greedy")
     plan = compiled.ckptplan_plan
     assert plan.report.peak_in_backward
     assert (plan.graph.caller_held != (), plan.graph.caller_bytes) == ((True, 0) if scalar else (False, 8))

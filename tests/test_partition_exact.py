@@ -160,6 +160,26 @@ def test_the_least_peak_bisection_ends_near_the_least_there_is(seed: int) -> Non
     assert least.peak_bytes - infeasible <= LEAST_RESOLUTION * least.peak_bytes or least.peak_bytes == lowest
 
 
+@pytest.mark.parametrize("seed", range(0, 60, 4))
+def test_a_start_never_makes_the_greedy_search_dearer(seed: int) -> None:
+    """Handed other starts (PyTorch's partitions, in ``compile``), the greedy search still
+    searches from saving everything when that recomputes less than every start that fits: a
+    start never makes its answer dearer than the search without it, at any budget where that
+    search fits. (A partition just over the budget is often one cheap move from fitting.)"""
+    graph = _random_joint(seed)
+    every = sorted(_every_partition(graph), key=lambda r: (r.recompute_seconds, r.peak_bytes))
+    for budget in sorted({r.peak_bytes for r in every}):
+        alone = solve_partition(graph, budget)
+        if not alone.feasible:
+            continue
+        for start in every:  # each partition that fits: the dearest first
+            if start.peak_bytes > budget or start.recompute_seconds <= alone.report.recompute_seconds:
+                continue
+            found = solve_partition(graph, budget, [start.saved])
+            assert found.feasible and found.report == simulate_partition(graph, found.report.saved)
+            assert found.report.recompute_seconds <= alone.report.recompute_seconds, (budget, start.saved)
+
+
 def _mlp(dropout: float = 0.0) -> nn.Module:
     return models.norm_mlp(dropout, blocks=3, width=32, hidden=128)
 
