@@ -11,9 +11,9 @@ the peak most per second of recomputation it adds (recomputed from what stays sa
 own inputs saved instead, or with the dropout masks it would replay saved instead), or, once
 some of those moves bring the peak within the budget, the cheapest of them; then, in order of
 cost, save again each recomputed value whose saving keeps the peak within the budget. When a
-start fits, the starts that recompute less but peak over the budget are searched from too
-(the nearest to fitting first: a partition a few bytes over is often one cheap move from
-fitting), and the cheapest fit wins. Values that draw
+start fits, the starts that recompute less but peak just over the budget (``NEAR_FITTING``) are
+searched from too, the nearest first (PyTorch's partition at its own measured peak can run a
+few bytes over it in the order ckptplan runs the two graphs), and the cheapest fit wins. Values that draw
 random numbers or write to state are never recomputed as they ran: a dropout mask is saved, or
 replayed from the generator's saved state (``ckptplan.joint``), so gradients equal eager's.
 """
@@ -30,6 +30,9 @@ from ckptplan.solvers.context import SolveContext
 # Rounds of the greedy search at most, as a multiple of the candidates (each round removes one).
 _ROUNDS_PER_CANDIDATE = 2
 _EPSILON_SECONDS = 1e-12  # a move that recomputes nothing costly still divides by something
+# A start that recomputes less than the best that fits is searched from too when it peaks at most
+# this share of the budget over it (docs/tuning.md, "partition_exact").
+NEAR_FITTING = 0.01
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ def solve_partition(
     fitting = [r for r in reports if r.peak_bytes <= budget_bytes]
     if fitting:
         first = min(fitting, key=lambda r: (r.recompute_seconds, r.peak_bytes))
-        cheaper = sorted((r for r in reports if r.peak_bytes > budget_bytes
+        near = budget_bytes + int(NEAR_FITTING * budget_bytes)
+        cheaper = sorted((r for r in reports if budget_bytes < r.peak_bytes <= near
                           and r.recompute_seconds < first.recompute_seconds),
                          key=lambda r: (r.peak_bytes, r.recompute_seconds))  # the nearest to fitting first
         origins = [first, *cheaper]
