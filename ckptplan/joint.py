@@ -124,12 +124,17 @@ class JointGraph:
         return tuple(tuple(s for s in v.storages if s not in static) for v in self.values)
 
     @cached_property
+    def primal_bytes(self) -> int:
+        """Bytes of the primals' storages, each once."""
+        return sum(self.storage_bytes[s] for s in self.static_storages)
+
+    @cached_property
     def static_bytes(self) -> int:
-        return max(sum(self.storage_bytes[s] for s in self.static_storages), self.resident_bytes)
+        return max(self.primal_bytes, self.resident_bytes)
 
     @cached_property
     def unread_bytes(self) -> int:
-        return self.static_bytes - sum(self.storage_bytes[s] for s in self.static_storages)
+        return self.static_bytes - self.primal_bytes
 
     @cached_property
     def forward_roots(self) -> tuple[int, ...]:

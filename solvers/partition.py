@@ -13,9 +13,10 @@ some of those moves bring the peak within the budget, the cheapest of them; then
 cost, save again each recomputed value whose saving keeps the peak within the budget. When a
 start fits, the starts that recompute less but peak just over the budget (``NEAR_FITTING``) are
 searched from too, the nearest first (PyTorch's partition at its own measured peak can run a
-few bytes over it in the order ckptplan runs the two graphs), and the cheapest fit wins. Values that draw
-random numbers or write to state are never recomputed as they ran: a dropout mask is saved, or
-replayed from the generator's saved state (``ckptplan.joint``), so gradients equal eager's.
+few bytes over it in the order ckptplan runs the two graphs), and the cheapest fit wins.
+Values that draw random numbers or write to state are never recomputed as they ran: a dropout
+mask is saved, or replayed from the generator's saved state (``ckptplan.joint``), so gradients
+equal eager's.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def solve_partition(
 ) -> Partition:
     """The saved set for ``budget_bytes``; when none is found within it, the least peak found.
     ``starts``: other saved sets to search from besides saving everything the backward reads
-    (PyTorch's own min-cut partition, say); the search starts from the one of least peak, then
-    least recomputation. ``ctx``: its deadline, or Ctrl-C (which sets its cancel flag), ends the
+    (PyTorch's own min-cut partition, say); the search starts from the one that fits with least
+    recomputation (and from those just over the budget that recompute less: see the module
+    docstring), or, when none fits, from the one of least peak. ``ctx``: its deadline, or Ctrl-C (which sets its cancel flag), ends the
     search with the best partition so far (None: the search runs until it is done, and Ctrl-C
     raises). ``work_values``: the search also ends once its simulations have gone over that many
     values in all (None: no such end), a clock of work that ends it the same on every run.
