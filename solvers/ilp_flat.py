@@ -191,7 +191,10 @@ def solve_flat(
     reproducible search states every memory row up front (``solvers.blocks`` on small blocks
     and short clocks, where restarting after each broken row costs more than it saves); so does
     it when no warm plan is one-level and fits. ``proof_only``: no reproducible search, the proof
-    phase starts from the refined warm plans at once and runs until ``ctx``'s deadline.
+    phase starts from the refined warm plans at once and runs until ``ctx``'s deadline. When the
+    reproducible search's time cannot pay for building the model twice
+    (``tuning.BUILD_SECONDS_PER_PAIR``), there is no search: the refined warm plan comes back, or,
+    when no warm plan is one-level, the cheapest warm plan (status ``timeout``).
     """
     limit = ctx.limit if search_seconds is None else search_seconds
     search = ctx.within(limit)  # the reproducible search ends by its deadline, less the proof's reserve
@@ -210,7 +213,13 @@ def solve_flat(
     clock = (limit - reserve) * tuning.DETERMINISTIC_SECONDS_PER_SECOND  # of the time asked for, not left: reproducible
     build_seconds = tuning.BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, window)
     found = None
-    if start is not None and not proof_only and limit - reserve < 2 * build_seconds:
+    short = not proof_only and limit - reserve < 2 * build_seconds  # no time to build the model twice
+    if short and start is None:  # and no one-level warm plan to refine: the cheapest warm plan
+        fallback = min(warm, key=lambda p: p.cost_seconds)
+        return fallback.but(solver="ilp", status="timeout", gap=None, origin=None, note=(
+            f"no CP-SAT search: too little time to build its model (about {build_seconds:.1f} s, twice), "
+            f"and no one-level warm plan; returning the {origin_of(fallback)} plan"))
+    if short:
         status, regions, bound = "FEASIBLE", start, 0.0
         how = (f"no CP-SAT search: too little time to build its model (about {build_seconds:.1f} s, twice), "
                "so the refined warm plan")

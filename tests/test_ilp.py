@@ -20,6 +20,7 @@ import ckptplan
 from ckptplan import remat
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
+from ckptplan.region import Region
 from ckptplan.simulation import baseline_peak_bytes, simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import fix_plan, solve_interruptibly
@@ -352,6 +353,32 @@ def test_a_limit_too_short_to_build_the_model_returns_the_refined_warm_plan() ->
     assert plans[0].regions == plans[1].regions
     assert simulate(graph, plans[0]).peak_bytes <= budget
     assert plans[0].cost_seconds <= solve_sqrt(graph, budget).cost_seconds
+
+
+def test_a_limit_too_short_to_build_the_model_without_a_one_level_warm_plan_returns_the_warm_plan(
+    monkeypatch,
+) -> None:
+    """With no one-level warm plan to refine (a nested one, as ``dp`` makes) and no time to build
+    the model, the search is skipped too: the cheapest warm plan comes back and says why, the
+    model never built."""
+    from ckptplan.solvers import ilp_flat
+    from ckptplan.solvers.solution import solution
+
+    graph = chain_graph([100, 300] * 100)
+    nested = tuple(Region(lo, lo + 50, children=(Region(lo, lo + 25), Region(lo + 25, lo + 50)))
+                   for lo in range(0, 200, 50))
+    warm = solution(graph, nested, "dp")
+    budget = warm.peak_bytes
+    assert budget < baseline_peak_bytes(graph)
+
+    def unaffordable(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(ilp_flat, "build_model", unaffordable)
+    monkeypatch.setattr(ilp_flat, "search_lazily", unaffordable)
+    plan = ilp_flat.solve_flat(graph, budget, SolveContext.limited(1.0), warm=[warm])
+    assert plan.regions == nested and plan.solver == "ilp" and plan.status == "timeout"
+    assert "no one-level warm plan; returning the dp plan" in plan.note
 
 
 def _slow_to_prove(n: int = 30) -> cp_model.CpModel:
