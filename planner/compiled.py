@@ -198,10 +198,11 @@ class Partitioner:
         dropout_from_masks(joint)
         searching = self.follow is None
         # PyTorch's partitions of the step as it would cut it, dropouts drawn once (its own
-        # choices), then of the step whose backward may replay them (choices only twins allow).
+        # choices), then, where a dropout was made replayable, of the step whose backward may
+        # replay them (choices only twins allow; without one the graph and its partitions are
+        # the same).
         starts = _min_cut_starts(joint, num_fwd_outputs, kwargs) if searching else []
-        replayable_dropouts(joint)
-        if searching:
+        if replayable_dropouts(joint) and searching:
             starts += _min_cut_starts(joint, num_fwd_outputs, kwargs)
         graph = read_joint(
             joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live,

@@ -94,7 +94,8 @@ def solve_partition(
     below the least peak it reaches the search ends with the same partition (unless ``ctx``'s
     deadline comes first)."""
     work = _Work(graph, ctx, work_values)
-    options = [no_recompute(graph), *(must_save(graph, frozenset(start)) for start in starts)]
+    # Each distinct start once (PyTorch's partitions at several settings often coincide).
+    options = list(dict.fromkeys([no_recompute(graph), *(must_save(graph, frozenset(start)) for start in starts)]))
     reports = [work.simulate(option) for option in options]
     fitting = [r for r in reports if r.peak_bytes <= budget_bytes]
     if fitting:

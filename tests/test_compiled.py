@@ -124,6 +124,29 @@ def test_convolution_workspaces_are_in_the_compiled_prediction() -> None:
         assert _measured(compiled, x) == plan.peak_bytes
 
 
+def test_pytorch_s_partitions_of_the_replaying_step_are_asked_for_only_where_a_dropout_replays(monkeypatch) -> None:
+    """The search starts from PyTorch's min-cut partitions of the step, and, where a dropout was
+    made replayable, of the step whose backward may replay it too; without a dropout the two
+    steps are one graph, whose partitions are made once."""
+    from ckptplan.planner import compiled as compiled_module
+
+    calls = []
+    real = compiled_module._min_cut_starts
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiled_module, "_min_cut_starts", counted)
+    x = torch.randn(128, 64)
+    for dropout, asked in ((0.0, 1), (0.1, 2)):
+        calls.clear()
+        torch._dynamo.reset()
+        partitioner = ckptplan.compile(_mlp(dropout), (x,), budget=0.8, backend="aot_eager",
+                                       solver="greedy").ckptplan_partitioner
+        assert len(calls) == asked and partitioner.starts
+
+
 def test_gradients_equal_eager_with_dropout() -> None:
     """Dropout masks are drawn as eager draws them and saved or replayed from the generator's
     saved state, never drawn anew: the compiled step's gradients are eager's for the same

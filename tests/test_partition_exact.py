@@ -183,6 +183,30 @@ def test_a_start_never_makes_the_greedy_search_dearer(seed: int, monkeypatch) ->
             assert found.report.recompute_seconds <= alone.report.recompute_seconds, (budget, start.saved)
 
 
+@pytest.mark.parametrize("seed", range(0, 12, 4))
+def test_a_start_handed_over_twice_is_searched_from_once(seed: int, monkeypatch) -> None:
+    """Starts that coincide (PyTorch's partitions at several settings often do), or equal saving
+    everything, are searched from once: the search simulates as often, and ends as it does,
+    with each handed over once."""
+    graph = _random_joint(seed)
+    every = sorted(_every_partition(graph), key=lambda r: (r.recompute_seconds, r.peak_bytes))
+    budget = every[len(every) // 2].peak_bytes
+    counted = []
+
+    def simulated(g, saved, *args, **kwargs):
+        counted.append(1)
+        return simulate_partition(g, saved, *args, **kwargs)
+
+    monkeypatch.setattr(partition, "NEAR_FITTING", 10.0)  # every start over the budget is searched from too
+    monkeypatch.setattr(partition, "simulate_partition", simulated)
+    starts = [r.saved for r in every[::3]]
+    once = solve_partition(graph, budget, starts)
+    simulations = len(counted)
+    counted.clear()
+    twice = solve_partition(graph, budget, [*starts, *starts, no_recompute(graph)])
+    assert twice == once and len(counted) == simulations
+
+
 def _mlp(dropout: float = 0.0) -> nn.Module:
     return models.norm_mlp(dropout, blocks=3, width=32, hidden=128)
 
