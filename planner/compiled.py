@@ -202,7 +202,8 @@ class Partitioner:
         # replay them (choices only twins allow; without one the graph and its partitions are
         # the same).
         starts = _min_cut_starts(joint, num_fwd_outputs, kwargs) if searching else []
-        if replayable_dropouts(joint) and searching:
+        replayed = replayable_dropouts(joint)
+        if searching and replayed:
             starts += _min_cut_starts(joint, num_fwd_outputs, kwargs)
         graph = read_joint(
             joint, num_fwd_outputs, self.roofline, name=self.name, outputs_live=self.outputs_live,

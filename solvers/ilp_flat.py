@@ -214,15 +214,10 @@ def solve_flat(
     build_seconds = tuning.BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, window)
     found = None
     short = not proof_only and limit - reserve < 2 * build_seconds  # no time to build the model twice
-    if short and start is None:  # and no one-level warm plan to refine: the cheapest warm plan
-        fallback = min(warm, key=lambda p: p.cost_seconds)
-        return fallback.but(solver="ilp", status="timeout", gap=None, origin=None, note=(
-            f"no CP-SAT search: too little time to build its model (about {build_seconds:.1f} s, twice), "
-            f"and no one-level warm plan; returning the {origin_of(fallback)} plan"))
-    if short:
-        status, regions, bound = "FEASIBLE", start, 0.0
+    if short:  # the refined warm plan, or, without a one-level one, the cheapest warm plan (below)
+        status, regions, bound = "FEASIBLE" if start is not None else "UNKNOWN", start, 0.0
         how = (f"no CP-SAT search: too little time to build its model (about {build_seconds:.1f} s, twice), "
-               "so the refined warm plan")
+               + ("so the refined warm plan" if start is not None else "and no one-level warm plan"))
     elif proof_only and start is not None:
         ctx.report("ilp: proof phase")
         found, regions = proof_phase(graph, budget_bytes, start, ctx, seconds=max(0.1, ctx.left()),
@@ -256,7 +251,8 @@ def solve_flat(
         if status == "INFEASIBLE":
             status, note = "feasible", f"no one-level plan fits ({size}); returning the {origin_of(fallback)} plan"
         else:
-            status, note = "timeout", f"no ilp plan within {limit:g} s ({size}); returning the {origin_of(fallback)} plan"
+            why = how if short else f"no ilp plan within {limit:g} s ({size})"
+            status, note = "timeout", f"{why}; returning the {origin_of(fallback)} plan"
         return fallback.but(solver="ilp", status=status, note=note, gap=None, origin=None)
     plan = solution(graph, regions, "ilp")
     better_warm = [p for p in warm if p.cost_seconds < plan.cost_seconds]

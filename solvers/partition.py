@@ -99,7 +99,7 @@ def solve_partition(
     reports = [work.simulate(option) for option in options]
     fitting = [r for r in reports if r.peak_bytes <= budget_bytes]
     if fitting:
-        first = min(fitting, key=lambda r: (r.recompute_seconds, r.peak_bytes))
+        first = min(fitting, key=_price)
         near = budget_bytes + int(NEAR_FITTING * budget_bytes)
         cheaper = sorted((r for r in reports if budget_bytes < r.peak_bytes <= near
                           and r.recompute_seconds < first.recompute_seconds),
@@ -122,8 +122,14 @@ def solve_partition(
         ctx.cancel.set()  # the partitions so far stand; the caller's later phases see the flag
         found.append(descent.report)
     fits = [r for r in found if r.peak_bytes <= budget_bytes]
-    report = min(fits, key=lambda r: (r.recompute_seconds, r.peak_bytes)) if fits else found[0]
+    report = min(fits, key=_price) if fits else found[0]
     return Partition(report=report, feasible=report.peak_bytes <= budget_bytes)
+
+
+def _price(report: PartitionReport) -> tuple[float, int]:
+    """The order in which partitions within the budget are preferred: less recomputation, then a
+    lower peak."""
+    return report.recompute_seconds, report.peak_bytes
 
 
 @dataclass
@@ -198,8 +204,7 @@ def _best_move(graph: JointGraph, report: PartitionReport, budget_bytes: int, wo
             replayed = {graph.drawn_for[j] for j in trial.recomputed if j in graph.drawn_for}
             if k == 0 and replayed:
                 options.append(options[0] | replayed)
-            if trial.peak_bytes <= budget_bytes and (
-                    fit is None or (trial.recompute_seconds, trial.peak_bytes) < (fit.recompute_seconds, fit.peak_bytes)):
+            if trial.peak_bytes <= budget_bytes and (fit is None or _price(trial) < _price(fit)):
                 fit = trial
             gain = report.peak_bytes - trial.peak_bytes
             local = getattr(report, at_peak) - getattr(trial, at_peak)
