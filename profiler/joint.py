@@ -185,14 +185,32 @@ def _training_dropouts(
         yield node, source, p, {user.args[1]: user for user in node.users if user.target is operator.getitem}
 
 
+def mask_scale(p: float, dtype: torch.dtype, device: torch.device) -> float:
+    """The factor ``native_dropout`` multiplies a kept element by on ``device``, as the Python
+    number whose ``aten.mul`` with a ``dtype`` tensor gives the kernel's rounding. On CPU
+    (``native_dropout_cpu``: ``input.mul(mask).mul_(scale)``) the in-place multiply rounds
+    ``1 / (1 - p)`` to ``dtype`` first: 1.109375 in bfloat16 for ``p`` = 0.1, where an
+    out-of-place multiply by the double would compute with 1.1111112 and round a third of the
+    kept elements differently. On CUDA (``fused_dropout_kernel``) the factor is ``1.0 / keep``
+    with ``keep = 1 - p`` in the kernel's accumulate type (float below float64), and the product
+    is taken in that type; ``aten.mul`` takes a Python factor in that type too."""
+    with unset_fake_temporarily():  # a partitioner runs under AOTAutograd's fake mode
+        if device.type == "cpu":
+            return torch.tensor(1.0 / (1.0 - p), dtype=dtype).item()
+        if dtype == torch.float64:
+            return 1.0 / (1.0 - p)
+        return 1.0 / torch.tensor(1.0 - p, dtype=torch.float32).item()
+
+
 def dropout_from_masks(joint: fx.GraphModule) -> int:
     """Let the backward make a dropout's output again from its mask: where the backward reads
-    ``native_dropout``'s output, it reads ``input * mask * (1 / (1 - p))`` instead, new nodes
-    that depend on no tangent, so the partition may save the one-byte mask (and the input,
+    ``native_dropout``'s output, it reads ``input * mask * scale`` instead (``mask_scale``), new
+    nodes that depend on no tangent, so the partition may save the one-byte mask (and the input,
     often saved anyway) rather than the output, and never draws the mask again. The product is
-    the kernel's own (a kept element is ``input * scale``, a dropped one 0), bit for bit. It is
-    the output's twin (as ``replayable_dropouts`` makes twins): saving it saves the output, and
-    computing it counts as recomputation. Returns how many dropouts were rewritten."""
+    the kernel's own (a kept element is ``input * scale``, a dropped one a zero of its sign), bit
+    for bit in every floating dtype. It is the output's twin (as ``replayable_dropouts`` makes
+    twins): saving it saves the output, and computing it counts as recomputation. Returns how
+    many dropouts were rewritten."""
     graph = joint.graph
     backward = backward_nodes(joint)
     rewritten = 0
@@ -206,13 +224,14 @@ def dropout_from_masks(joint: fx.GraphModule) -> int:
                 parts[1] = graph.call_function(operator.getitem, (node, 1))
             parts[1].meta["val"] = node.meta["val"][1]
         first = min(readers, key=list(graph.nodes).index)
+        fake = output.meta["val"]
+        scale = mask_scale(p, fake.dtype, fake.device)
         with graph.inserting_before(first):
             kept = graph.call_function(torch.ops.aten.mul.Tensor, (source, parts[1]))
-            again = graph.call_function(torch.ops.aten.mul.Tensor, (kept, 1.0 / (1.0 - p)))
-        fake = output.meta["val"]
+            again = graph.call_function(torch.ops.aten.mul.Tensor, (kept, scale))
         with fake.fake_mode:
             kept.meta["val"] = source.meta["val"] * parts[1].meta["val"]
-            again.meta["val"] = kept.meta["val"] * (1.0 / (1.0 - p))
+            again.meta["val"] = kept.meta["val"] * scale
         for reader in readers:
             reader.replace_input_with(output, again)
         again.meta[_REPLAYS], again.meta[_REMAKES] = output.name, True

@@ -160,6 +160,52 @@ def test_gradients_equal_eager_with_dropout() -> None:
     _assert_trains_as_eager(compiled, model, reference, x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_backward_makes_a_dropout_s_output_from_its_mask_bit_for_bit(monkeypatch, dtype: torch.dtype) -> None:
+    """The backward's twin of a dropout's output, made from the mask (``dropout_from_masks``),
+    has the bits of the kernel's output in every dtype: the joint graph run on real tensors
+    computes both from the one draw. (A partition that saves the masked input instead of the
+    output must train as the one that saves the output.)"""
+    from torch import fx
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ckptplan.planner import compiled as compiled_module
+    from ckptplan.profiler import joint as joint_module
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def checked(joint: fx.GraphModule) -> int:
+        rewritten = joint_module.dropout_from_masks(joint)
+        values: dict[str, torch.Tensor] = {}
+
+        class Recorder(fx.Interpreter):
+            def run_node(self, node: fx.Node) -> object:
+                values[node.name] = super().run_node(node)
+                return values[node.name]
+
+        def real(node: fx.Node) -> torch.Tensor:
+            fake = node.meta["val"]
+            return torch.randn(fake.shape, dtype=fake.dtype) if fake.is_floating_point() else torch.zeros(
+                fake.shape, dtype=fake.dtype)
+
+        with unset_fake_temporarily():  # the partitioner runs under AOTAutograd's fake mode
+            torch.manual_seed(3)
+            Recorder(joint).run(*[real(n) for n in joint.graph.find_nodes(op="placeholder")])
+        for node in joint.graph.nodes:
+            twin_of = node.meta.get(joint_module._REPLAYS)
+            if twin_of is not None and node.target is torch.ops.aten.mul.Tensor:
+                pairs.append((values[node.name], values[twin_of]))
+        return rewritten
+
+    monkeypatch.setattr(compiled_module, "dropout_from_masks", checked)
+    model, x = _mlp(dropout=0.1).to(dtype), torch.randn(128, 64, dtype=dtype)
+    ckptplan.compile(model, (x,), budget=1.0, backend="aot_eager", solver="greedy", outputs_live=False)
+    bits = {2: torch.int16, 4: torch.int32}[x.element_size()]
+    assert len(pairs) == 4
+    for twin, output in pairs:
+        assert torch.equal(twin.view(bits), output.view(bits))
+
+
 def _replayed(plan) -> list[str]:
     return [name for name in plan.recomputed if plan.graph.values[plan.graph.index_of(name)].replay]
 
