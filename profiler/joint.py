@@ -190,10 +190,11 @@ def mask_scale(p: float, dtype: torch.dtype, device: torch.device) -> float:
     number whose ``aten.mul`` with a ``dtype`` tensor gives the kernel's rounding. On CPU
     (``native_dropout_cpu``: ``input.mul(mask).mul_(scale)``) the in-place multiply rounds
     ``1 / (1 - p)`` to ``dtype`` first: 1.109375 in bfloat16 for ``p`` = 0.1, where an
-    out-of-place multiply by the double would compute with 1.1111112 and round a third of the
-    kept elements differently. On CUDA (``fused_dropout_kernel``) the factor is ``1.0 / keep``
-    with ``keep = 1 - p`` in the kernel's accumulate type (float below float64), and the product
-    is taken in that type; ``aten.mul`` takes a Python factor in that type too."""
+    out-of-place multiply by the double would compute with 1.1111112 and round about a third of
+    the kept elements differently. On CUDA (``fused_dropout_kernel``, read from its source;
+    ``tests/test_compiled.py`` checks it where a GPU is present) the factor is ``1.0 / keep``
+    with ``keep = 1 - p`` held in the kernel's accumulate type (float, or double for float64
+    tensors), the product taken in that type, as ``aten.mul`` takes a Python factor."""
     with unset_fake_temporarily():  # a partitioner runs under AOTAutograd's fake mode
         if device.type == "cpu":
             return torch.tensor(1.0 / (1.0 - p), dtype=dtype).item()

@@ -206,6 +206,24 @@ def test_the_backward_makes_a_dropout_s_output_from_its_mask_bit_for_bit(monkeyp
         assert torch.equal(twin.view(bits), output.view(bits))
 
 
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_mask_scale_gives_native_dropout_s_output_from_its_mask(device: str, dtype: torch.dtype) -> None:
+    """``input * mask * mask_scale(p, ...)`` is ``native_dropout``'s output on the device, bit for
+    bit, at probabilities whose scale rounds up, down or not at all, on strided inputs too."""
+    from ckptplan.profiler.joint import mask_scale
+
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.tensor([], dtype=dtype).element_size()]
+    for p in (0.1, 1 / 3, 0.37, 0.77, 0.013):
+        for x in (torch.randn(64, 257, dtype=dtype, device=device), torch.randn(96, 33, dtype=dtype, device=device).t()):
+            output, mask = torch.ops.aten.native_dropout.default(x, p, True)
+            again = x * mask * mask_scale(p, dtype, x.device)
+            assert torch.equal(again.contiguous().view(bits), output.contiguous().view(bits)), (p, x.shape)
+
+
 def _replayed(plan) -> list[str]:
     return [name for name in plan.recomputed if plan.graph.values[plan.graph.index_of(name)].replay]
 
