@@ -61,6 +61,9 @@ PROOF_WORKERS = 3  # the proof phase's workers on fewer cores than FULL_PORTFOLI
 SEEDED_ROWS = 8
 PROOF_SEEDED_ROWS = 1
 PROOF_ROWS_PER_ROUND = 1
+# From a start the model cannot take as a hint (a region longer than its window, or outside
+# ``within``): this many rows up front, and every row a plan breaks (docs/tuning.md, "ilp_lazy").
+UNHINTED_SEEDED_ROWS = 4
 MIN_CLOCK_SECONDS = 0.01  # a deterministic clock with less left than this ends the search
 
 
@@ -287,9 +290,13 @@ def search_lazily(
     if regions is not None:
         report = simulate(graph, regions)
         best_cost = report.cost_seconds
-        seeded = _seed_rows(v, report, seeded_rows)
         outside = (within is not None and not within.holds(report)) or any(
             region.end - region.start > v.window for region in regions)
+        if outside and os.environ.get("CKPT_UNHINTED"):
+            # No hint: every round starts from no plan, and its first plans break the rows of
+            # events near the start's fullest (docs/tuning.md, "ilp_lazy", ``UNHINTED_SEEDED_ROWS``).
+            seeded_rows, rows_per_round = max(seeded_rows, UNHINTED_SEEDED_ROWS), None
+        seeded = _seed_rows(v, report, seeded_rows)
         if outside:
             # CP-SAT never sees this plan as a solution, so it would prune with the dearer ones it
             # finds; only plans no dearer matter (model costs are within ``slack`` of simulated ones).
