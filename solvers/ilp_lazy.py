@@ -61,8 +61,8 @@ PROOF_WORKERS = 3  # the proof phase's workers on fewer cores than FULL_PORTFOLI
 SEEDED_ROWS = 8
 PROOF_SEEDED_ROWS = 1
 PROOF_ROWS_PER_ROUND = 1
-# From a start the model cannot take as a hint (a region longer than its window, or outside
-# ``within``): this many rows up front, and every row a plan breaks (docs/tuning.md, "ilp_lazy").
+# From a start with a region longer than the model's window (no hint): at least this many rows
+# up front, and every row a plan breaks joins (docs/tuning.md, "ilp_lazy").
 UNHINTED_SEEDED_ROWS = 4
 MIN_CLOCK_SECONDS = 0.01  # a deterministic clock with less left than this ends the search
 
@@ -273,9 +273,10 @@ def search_lazily(
     fullest; None: all). ``within``: search only the plans in that range (``regions`` then
     only bounds the cost, and hints the search if it lies in the range; a range without plans
     ends ``OPTIMAL``: none is cheaper). A ``regions`` with a region longer than ``window``
-    nodes is no plan of the model either, and is taken the same way. Ctrl-C ends the search
-    with the best plan so far, and so does ``ctx``'s deadline when it comes before ``seconds``
-    have passed."""
+    nodes is no plan of the model either, and is taken the same way; since no round then has a
+    hint to start from, at least ``UNHINTED_SEEDED_ROWS`` rows join up front and every row a plan
+    breaks joins after it. Ctrl-C ends the search with the best plan so far, and so does
+    ``ctx``'s deadline when it comes before ``seconds`` have passed."""
     phase = ctx.within(seconds)
     model, v = build_model(graph, budget_bytes, window=window, deferred_phases=deferred_phases)
     if deferred_phases:  # the relaxation's bound rests on them; the whole model's search does better without
@@ -290,11 +291,11 @@ def search_lazily(
     if regions is not None:
         report = simulate(graph, regions)
         best_cost = report.cost_seconds
-        outside = (within is not None and not within.holds(report)) or any(
-            region.end - region.start > v.window for region in regions)
-        if outside and os.environ.get("CKPT_UNHINTED"):
-            # No hint: every round starts from no plan, and its first plans break the rows of
-            # events near the start's fullest (docs/tuning.md, "ilp_lazy", ``UNHINTED_SEEDED_ROWS``).
+        longer = any(region.end - region.start > v.window for region in regions)
+        outside = (within is not None and not within.holds(report)) or longer
+        if longer and within is None:
+            # No hint: every round starts from no plan, and stops at the first of CP-SAT's own
+            # plans that breaks a row (docs/tuning.md, "ilp_lazy", ``UNHINTED_SEEDED_ROWS``).
             seeded_rows, rows_per_round = max(seeded_rows, UNHINTED_SEEDED_ROWS), None
         seeded = _seed_rows(v, report, seeded_rows)
         if outside:

@@ -32,6 +32,7 @@ from ckptplan.solvers.ilp_lazy import (
     PROOF_ROWS_PER_ROUND,
     PROOF_SEEDED_ROWS,
     SEEDED_ROWS,
+    UNHINTED_SEEDED_ROWS,
     fewer_of_a_class,
     proof_search,
     proof_workers,
@@ -618,6 +619,34 @@ def test_the_proof_phase_searches_only_the_plans_recomputing_fewer_of_a_class() 
         assert report.cost_seconds <= least_seconds * (1 + 1e-9)
         ends.append(found.regions == tuple(start))
     assert ends == [False, True]
+
+
+def test_a_start_longer_than_the_window_states_more_rows_up_front_and_still_ends_optimal() -> None:
+    """A start with a region longer than the model's window is no hint, so every round of the
+    proof phase begins from no plan: it states ``UNHINTED_SEEDED_ROWS`` rows up front (one where
+    the start is a hint) and still ends proven optimal among the window's plans, no dearer than
+    any of them that fits."""
+    graph, window = skip_graph(), 3
+
+    def longest(plan) -> int:
+        return max((region.end - region.start for region in plan), default=0)
+
+    reports = [(plan, simulate(graph, plan)) for plan in one_level_plans(graph, max_keeps=0)]
+    short = [r for plan, r in reports if longest(plan) <= window]
+    budget = sorted({r.peak_bytes for r in short})[2]  # a few of the window's plans fit
+    start, start_report = max(((plan, r) for plan, r in reports if longest(plan) > window and r.peak_bytes <= budget),
+                              key=lambda pr: pr[1].cost_seconds)
+    found = proof_search(graph, budget, tuple(start), SolveContext.limited(30), seconds=30, window=window,
+                         announce=False)
+    assert found.seeded == min(UNHINTED_SEEDED_ROWS, found.deferred) > PROOF_SEEDED_ROWS
+    assert found.status == "OPTIMAL"
+    assert simulate(graph, found.regions).cost_seconds <= min(
+        [start_report.cost_seconds, *(r.cost_seconds for r in short if r.peak_bytes <= budget)]) * (1 + 1e-9)
+    hinted = max(((plan, r) for plan, r in reports if plan and longest(plan) <= window and r.peak_bytes <= budget),
+                 key=lambda pr: pr[1].cost_seconds)[0]
+    again = proof_search(graph, budget, tuple(hinted), SolveContext.limited(30), seconds=30, window=window,
+                         announce=False)
+    assert again.seeded == min(PROOF_SEEDED_ROWS, again.deferred) and again.status == "OPTIMAL"
 
 
 # ----------------------------------------------------------------------------- real models
