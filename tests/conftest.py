@@ -45,6 +45,12 @@ def example_name(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers of its element size, for bitwise comparisons (``torch.equal`` on
+    floats calls 0.0 and -0.0 equal)."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def assert_same_gradients(model: torch.nn.Module, module: torch.nn.Module, args: tuple) -> None:
     """One seeded training step of ``module`` (which shares ``model``'s parameters) leaves the
     gradients that the same step of a copy of ``model`` does."""

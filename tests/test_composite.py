@@ -15,6 +15,7 @@ from torch import nn
 import ckptplan
 from ckptplan.cli.main import app
 from ckptplan.profiler.composite import apply_dropout_mask, dropout_mask, runs_math_kernel
+from tests.conftest import bits
 
 
 class Attention(nn.Module):
@@ -140,9 +141,6 @@ def test_the_spelled_out_dropout_is_cpu_dropout_bit_for_bit(dtype: torch.dtype) 
     """``dropout_mask`` draws ``bernoulli_``'s stream straight into a bool tensor, and
     ``apply_dropout_mask`` multiplies by it and by the kept value: the output and the input's
     gradient have the bits of ``aten.dropout`` on CPU (zeros' signs included)."""
-
-    def bits(t: torch.Tensor) -> torch.Tensor:
-        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
     for p, shape in ((0.1, (4, 128, 128)), (1 / 3, (3, 5, 17, 33)), (0.77, (1_000_003,))):
         x = torch.randn(shape, dtype=dtype).requires_grad_()
