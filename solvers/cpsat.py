@@ -78,19 +78,21 @@ def fix_plan(
 
 
 def hint_complete(
-    model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...], ctx: SolveContext
+    model: cp_model.CpModel, graph: ComputeGraph, v: IlpVars, regions: tuple[Region, ...], ctx: SolveContext,
+    remat: tuple[str, ...] = (),
 ) -> None:
-    """Hint every variable, not just the decisions: a copy of the model with the plan fixed
-    is solved for the values of the derived variables (CP-SAT repairs partial hints slowly).
-    Within ``HINT_SECONDS`` and ``ctx``'s deadline; the decisions alone are hinted otherwise."""
+    """Hint every variable, not just the decisions, of the plan of ``regions`` rematerialising
+    ``remat``: a copy of the model with the plan fixed is solved for the values of the derived
+    variables (CP-SAT repairs partial hints slowly). Within ``HINT_SECONDS`` and ``ctx``'s
+    deadline; the decisions alone are hinted otherwise."""
     fixed = model.Clone()
-    fix_plan(fixed, graph, v, regions)
+    fix_plan(fixed, graph, v, regions, remat=remat)
     fixed.ClearObjective()
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.max_time_in_seconds = min(HINT_SECONDS, ctx.left())
     if solve_interruptibly(solver, fixed, ctx) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        fix_plan(model, graph, v, regions, free=range(len(graph.nodes)))
+        fix_plan(model, graph, v, regions, free=range(len(graph.nodes)), remat=remat)
         return
     for index in range(len(model.Proto().variables)):
         var = model.GetIntVarFromProtoIndex(index)
@@ -164,4 +166,14 @@ def configure(
         solver.parameters.subsolvers.extend(BOUND_SUBSOLVERS)
     if workers == 1:
         solver.parameters.max_deterministic_time = max(0.01, deterministic_seconds)
+
+
+def lighten_presolve(solver: cp_model.CpSolver) -> None:
+    """One presolve pass, without probing or symmetry detection: for searches whose time goes
+    mostly to presolving a large model that propagation alone shrinks (a neighbourhood step, a
+    round of the joint portfolio search), with the same plans found sooner (docs/tuning.md,
+    "remat_ilp" and "polish")."""
+    solver.parameters.max_presolve_iterations = 1
+    solver.parameters.cp_model_probing_level = 0
+    solver.parameters.symmetry_level = 0
 

@@ -302,16 +302,27 @@ def proof_phase(
     window: int | None,
     bound: float,
     announce: bool,
+    remat: Sequence[int] = (),
+    start_remat: tuple[str, ...] = (),
+    rows: tuple[int, int | None] | None = None,
+    light_presolve: bool = False,
 ) -> tuple[LazyResult, tuple[Region, ...] | None]:
     """The lazy search with CP-SAT's portfolio (``proof_workers()``) from ``regions`` (None: from
     no plan) for ``seconds``: its result, and the plan it ends with (``regions`` unless it found a
     strictly cheaper one, which is simplified until ``tuning.SIMPLIFY_GRACE`` of ``seconds`` past
-    them)."""
+    them). ``remat`` (candidates) and ``start_remat``: the joint model's search
+    (``ilp_lazy.search_lazily``); the plan it ends with rematerialises the result's ``remat``.
+    ``rows``: the memory rows stated up front and added per round (``proof_search``'s
+    ``seeded_rows`` and ``rows_per_round``; None: its defaults), and ``light_presolve``, as it
+    takes them."""
+    seeding = {} if rows is None else {"seeded_rows": rows[0], "rows_per_round": rows[1]}
     proof = proof_search(graph, budget_bytes, regions, ctx, seconds=seconds, seed=seed, window=window, bound=bound,
-                         announce=announce)
-    if proof.regions == regions:
+                         announce=announce, remat=remat, start_remat=start_remat, light_presolve=light_presolve,
+                         **seeding)
+    if proof.regions == regions and proof.remat == start_remat:
         return proof, regions
-    return proof, simplify(graph, proof.regions, budget_bytes, ctx=ctx.within(seconds * (1 + tuning.SIMPLIFY_GRACE)))
+    return proof, simplify(graph, proof.regions, budget_bytes, ctx=ctx.within(seconds * (1 + tuning.SIMPLIFY_GRACE)),
+                           remat=proof.remat)
 
 
 def _search(

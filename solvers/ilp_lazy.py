@@ -29,13 +29,14 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Region
+from ckptplan.remat import conflicts, deep_chains
 from ckptplan.simulation import Report, simulate
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import (
@@ -43,7 +44,9 @@ from ckptplan.solvers.cpsat import (
     MIN_WALL_SECONDS,
     configure,
     extract_regions,
+    extract_remat,
     hint_complete,
+    lighten_presolve,
     solve_interruptibly,
 )
 from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses, add_events, build_model
@@ -72,7 +75,8 @@ class LazyResult:
     """Where the search ended. ``status``: ``OPTIMAL`` (``regions`` proven cheapest),
     ``FEASIBLE``, ``INFEASIBLE`` (no plan fits the budget; proven) or ``UNKNOWN`` (no plan found
     in time). ``regions`` is the cheapest plan the simulator accepted (the one given unless a
-    strictly cheaper one was found), ``cost`` its simulated cost and ``bound`` a proven lower
+    strictly cheaper one was found), rematerialising ``remat`` (``search_lazily``'s joint
+    model; none otherwise), ``cost`` its simulated cost and ``bound`` a proven lower
     bound on every plan's, in ``COST_SCALE`` units. ``rows`` counts the event rows added of the
     ``deferred`` left out, over ``rounds`` CP-SAT runs, ``seeded`` of them before the first;
     ``variables`` and ``constraints`` size the final model."""
@@ -89,6 +93,7 @@ class LazyResult:
     constraints: int
     seconds: float
     split: str = ""  # which plans the proof phase left out, and why (``fewer_of_a_class``)
+    remat: tuple[str, ...] = ()
 
     def describe(self) -> str:
         if not self.deferred:
@@ -112,6 +117,14 @@ class RecomputeAtMost:
         """State it over the model's ``recomputed`` variables (a plan's model solution sets them
         as the simulator counts, so every plan in the range stays in the model)."""
         model.Add(sum(v.recomputed[t] for t in self.nodes) <= self.most)
+
+
+def _states(graph: ComputeGraph, v: IlpVars, remat: tuple[str, ...]) -> bool:
+    """Whether the model ``v`` can rematerialise the nodes named ``remat`` together: each is one
+    of its candidates, and the set breaks none of its rules (``remat.conflicts``,
+    ``remat.deep_chains``)."""
+    nodes = [graph.index_of[name] for name in remat]
+    return all(x in v.remat for x in nodes) and not conflicts(graph, nodes) and not deep_chains(graph, nodes)
 
 
 def _slack(graph: ComputeGraph) -> int:
@@ -158,6 +171,7 @@ class _Watcher(cp_model.CpSolverSolutionCallback):
         self.graph, self.v, self.budget_bytes = graph, v, budget_bytes
         self.rows_per_round = rows_per_round
         self.best: tuple[Region, ...] | None = None
+        self.best_remat: tuple[str, ...] = ()
         self.best_cost = best_cost
         self.best_peak: int | None = None
         self.on_better = on_better
@@ -165,7 +179,8 @@ class _Watcher(cp_model.CpSolverSolutionCallback):
 
     def on_solution_callback(self) -> None:
         regions = extract_regions(self.graph, self.v, self.Value)
-        report = simulate(self.graph, regions)
+        remat = extract_remat(self.graph, self.v, self.Value)
+        report = simulate(self.graph, regions, remat=remat)
         over = {(e.phase, e.node) for e in report.timeline if e.live_bytes > self.budget_bytes}
         missing = _fullest(report, over & self.v.deferred.keys())
         if missing:
@@ -173,6 +188,7 @@ class _Watcher(cp_model.CpSolverSolutionCallback):
             self.StopSearch()
         elif not over and report.cost_seconds < self.best_cost:
             self.best, self.best_cost, self.best_peak = regions, report.cost_seconds, report.peak_bytes
+            self.best_remat = remat
             if self.on_better is not None:
                 self.on_better(report.cost_seconds, report.peak_bytes)
 
@@ -188,14 +204,22 @@ def proof_search(
     window: int | None = None,
     bound: float = 0.0,
     announce: bool = True,
+    remat: Sequence[int] = (),
+    start_remat: tuple[str, ...] = (),
+    seeded_rows: int = PROOF_SEEDED_ROWS,
+    rows_per_round: int | None = PROOF_ROWS_PER_ROUND,
+    light_presolve: bool = False,
 ) -> LazyResult:
-    """The proof phase: ``search_lazily`` with ``proof_workers()``, ``PROOF_SEEDED_ROWS`` up front
-    and ``PROOF_ROWS_PER_ROUND`` per round; or, when ``regions``' whole cost is recomputing some
+    """The proof phase: ``search_lazily`` with ``proof_workers()``, ``seeded_rows`` up front
+    and ``rows_per_round`` per round; or, when ``regions``' whole cost is recomputing some
     of a class of interchangeable nodes, the same search of the plans that recompute fewer of
-    them (``fewer_of_a_class``)."""
+    them (``fewer_of_a_class``). ``remat`` and ``start_remat``: the joint model's, as
+    ``search_lazily`` takes them (the plans a rematerialisation recomputes are no class's), and
+    so is ``light_presolve``."""
     options = {"seconds": seconds, "workers": proof_workers(), "seed": seed, "window": window, "bound": bound,
-               "announce": announce, "seeded_rows": PROOF_SEEDED_ROWS, "rows_per_round": PROOF_ROWS_PER_ROUND}
-    fewer = fewer_of_a_class(graph, regions) if regions is not None else None
+               "announce": announce, "seeded_rows": seeded_rows, "rows_per_round": rows_per_round,
+               "remat": remat, "start_remat": start_remat, "light_presolve": light_presolve}
+    fewer = fewer_of_a_class(graph, regions) if regions is not None and not remat else None
     if fewer is None:
         return search_lazily(graph, budget_bytes, regions, ctx, **options)
     name = graph.nodes[fewer.nodes[0]].name
@@ -262,6 +286,9 @@ def search_lazily(
     seeded_rows: int = SEEDED_ROWS,
     rows_per_round: int | None = None,
     within: RecomputeAtMost | None = None,
+    remat: Sequence[int] = (),
+    start_remat: tuple[str, ...] = (),
+    light_presolve: bool = False,
 ) -> LazyResult:
     """The cheapest one-level plan within ``budget_bytes`` the search finds in ``seconds``,
     starting from ``regions`` (a plan that fits, or None). With one worker the rounds share
@@ -275,10 +302,14 @@ def search_lazily(
     ends ``OPTIMAL``: none is cheaper). A ``regions`` with a region longer than ``window``
     nodes is no plan of the model either, and is taken the same way; since no round then has a
     hint to start from, at least ``UNHINTED_SEEDED_ROWS`` rows join up front and every row a plan
-    breaks joins after it. Ctrl-C ends the search with the best plan so far, and so does
-    ``ctx``'s deadline when it comes before ``seconds`` have passed."""
+    breaks joins after it. ``remat``: rematerialisation candidates (``ckptplan.remat``) the joint
+    model decides beside the regions (``build_model``'s ``remat``), and ``start_remat`` the names
+    ``regions`` rematerialises; a start the model cannot state (a name no candidate, or one its
+    rules forbid) is taken as one past the window is. ``light_presolve``: each round's CP-SAT
+    presolves once (``cpsat.lighten_presolve``). Ctrl-C ends the search with the best plan
+    so far, and so does ``ctx``'s deadline when it comes before ``seconds`` have passed."""
     phase = ctx.within(seconds)
-    model, v = build_model(graph, budget_bytes, window=window, deferred_phases=deferred_phases)
+    model, v = build_model(graph, budget_bytes, window=window, deferred_phases=deferred_phases, remat=remat)
     if deferred_phases:  # the relaxation's bound rests on them; the whole model's search does better without
         add_bounding_clauses(model, v)
     if within is not None:
@@ -287,13 +318,17 @@ def search_lazily(
     deferred = len(v.deferred)
     slack = _slack(graph)
     best, best_cost, hinted, seeded = regions, math.inf, regions, 0
-    outside = False  # ``regions`` is no plan of this model: out of ``within``, or a region past the window
+    best_remat = start_remat if regions is not None else ()
+    # ``regions`` is no plan of this model: out of ``within``, a region past the window, or a
+    # rematerialisation the model cannot state
+    outside = False
     if regions is not None:
-        report = simulate(graph, regions)
+        report = simulate(graph, regions, remat=start_remat)
         best_cost = report.cost_seconds
-        longer = any(region.end - region.start > v.window for region in regions)
-        outside = (within is not None and not within.holds(report)) or longer
-        if longer and within is None:
+        unstated = (any(region.end - region.start > v.window for region in regions)
+                    or not _states(graph, v, start_remat))
+        outside = (within is not None and not within.holds(report)) or unstated
+        if unstated and within is None:
             # No hint: every round starts from no plan, and stops at the first of CP-SAT's own
             # plans that breaks a row (docs/tuning.md, "ilp_lazy", ``UNHINTED_SEEDED_ROWS``).
             seeded_rows, rows_per_round = max(seeded_rows, UNHINTED_SEEDED_ROWS), None
@@ -316,11 +351,13 @@ def search_lazily(
             break
         rounds += 1
         if hinted is not None:
-            hint_complete(model, graph, v, hinted, ctx)
+            hint_complete(model, graph, v, hinted, ctx, remat=best_remat)
             left = phase.left()  # completing the hint solves a copy of the model
         solver = cp_model.CpSolver()
         configure(solver, wall_seconds=left, deterministic_seconds=left if clock is None else clock,
                   workers=workers, seed=seed)
+        if light_presolve:
+            lighten_presolve(solver)
         watcher = _Watcher(graph, v, budget_bytes, best_cost, rows_per_round, on_better=(
             (lambda cost, peak: ctx.report(cost_seconds=cost, peak_bytes=peak)) if scored else None))
         try:
@@ -336,7 +373,7 @@ def search_lazily(
         if clock is not None:
             clock -= solver.ResponseProto().deterministic_time
         if watcher.best is not None:
-            best, best_cost = watcher.best, watcher.best_cost
+            best, best_cost, best_remat = watcher.best, watcher.best_cost, watcher.best_remat
             hinted = best
         if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             bound = max(bound, solver.BestObjectiveBound())
@@ -364,5 +401,5 @@ def search_lazily(
     return LazyResult(
         status=status, regions=best, cost=cost, bound=min(bound, cost), rounds=rounds, rows=deferred - len(v.deferred),
         deferred=deferred, seeded=seeded, variables=len(proto.variables), constraints=len(proto.constraints),
-        seconds=phase.elapsed(),
+        seconds=phase.elapsed(), remat=best_remat if best is not None else (),
     )

@@ -14,14 +14,18 @@ regions to ``ilp``'s own window as each stage proves its plan.
 The portfolio is not deterministic: its plan can differ from run to run, is taken only when it
 costs strictly less than its start, and costs the same on every run that proves it optimal.
 
-A plan of the rematerialised graph is searched on that graph, and its regions then
-rematerialise on the model's graph what they need (``remat_plans.shed_remat``)."""
+On graphs of up to ``remat_plans.JOINT_PORTFOLIO_MAX_NODES`` nodes the search is of the joint
+model (``joint``): each cheap op's rematerialisation (``ckptplan.remat``) is a decision beside
+the regions, so one search weighs a region against dropping and recomputing an op's output.
+On larger ones, a plan of the rematerialised graph is searched on that graph, and its regions
+then rematerialise on the model's graph what they need (``remat_plans.shed_remat``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
+from ckptplan import remat as _remat
 from ckptplan.graph import ComputeGraph
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_model import region_window
@@ -34,6 +38,9 @@ MIN_SECONDS = 1.0  # the least time worth starting the portfolio for (its model'
 # proven) wider, up to ``ilp``'s own window (docs/tuning.md, "polish").
 WINDOWS = (32, 64)
 MAX_NODES = LARGE_NODES  # larger graphs are left to the block-by-block plan
+# The joint search's memory rows from a start it takes as a hint: stated up front, and added
+# per round (None: every row a plan breaks; ``ilp_lazy.search_lazily``; docs/tuning.md, "polish").
+JOINT_ROWS = (8, None)
 CHOSE = "auto chose ilp: "  # how the notes of this phase's plans begin: it is ``auto``'s, and they are ``ilp``'s
 
 
@@ -61,6 +68,7 @@ def polish(
     *,
     solved_on: ComputeGraph | None = None,
     onto: Callable[[Solution], Solution] | None = None,
+    joint: bool = False,
 ) -> Solution:
     """The portfolio search (``ilp_flat.proof_phase``) from ``best`` (its regions when they are
     one level, else from nothing) until ``ctx``'s deadline, first among plans of regions no
@@ -69,12 +77,14 @@ def polish(
     strictly less, or the last stage (``ilp``'s own window) proves ``best`` optimal among
     ``ilp``'s one-level plans (then ``best`` says so, as ``ilp``'s, its regions' origin kept).
     ``solved_on``: the graph ``best``'s regions were solved on (None: ``graph``), whose plans
-    ``onto`` makes plans of ``graph`` (rematerialising what they need). Ctrl-C ends the search
+    ``onto`` makes plans of ``graph`` (rematerialising what they need). ``joint``: the model
+    decides rematerialisation beside the regions (``ckptplan.remat.candidates``; ``graph``'s own
+    plans only), and starts from ``best``'s. Ctrl-C ends the search
     with the best plan so far (``ctx.cancel`` set)."""
     if ctx.over() or ctx.left() < MIN_SECONDS or best.cost_seconds <= 0:
         return best
     try:
-        return _polish(graph, budget_bytes, best, ctx, solved_on=solved_on, onto=onto)
+        return _polish(graph, budget_bytes, best, ctx, solved_on=solved_on, onto=onto, joint=joint)
     except KeyboardInterrupt:  # outside CP-SAT's search, which takes Ctrl-C itself
         ctx.cancel.set()
         return best
@@ -88,37 +98,48 @@ def _polish(
     *,
     solved_on: ComputeGraph | None,
     onto: Callable[[Solution], Solution] | None,
+    joint: bool,
 ) -> Solution:
     from ckptplan.solvers.ilp_flat import proof_phase  # imports ortools
 
     own = solved_on is None
+    joint = joint and own
     searched = graph if own else solved_on
-    one_level = all(not region.children for region in best.regions) and not (own and best.remat)
+    one_level = all(not region.children for region in best.regions) and (joint or not (own and best.remat))
     start = best.regions if one_level else None
+    start_remat = best.remat if one_level and joint else ()
+    candidates = _remat.candidates(graph) if joint else ()
     phase = ctx if own else ctx.unscored()
-    phase.report("portfolio search" + ("" if own else " with cheap ops rematerialised"))
+    phase.report("portfolio search" + ("" if own else " with cheap ops rematerialised")
+                 + (" of regions and rematerialisation" if joint else ""))
     stages = windows(searched)
-    regions = start
+    regions, remat = start, start_remat
     for window in stages:
         # Each stage's bound holds for its window only (announce=False: none is reported as the solve's).
+        # The joint search from a plan the model takes as a hint states more rows at a time:
+        # each round that ends on a broken row pays the presolve again (docs/tuning.md, "polish").
+        hinted = regions is not None and all(region.end - region.start <= window for region in regions)
+        rows = JOINT_ROWS if joint and hinted else None
         found, regions = proof_phase(searched, budget_bytes, regions, phase, seconds=ctx.left(), seed=0,
-                                     window=window, bound=0.0, announce=False)
+                                     window=window, bound=0.0, announce=False, remat=candidates, start_remat=remat,
+                                     rows=rows, light_presolve=joint)
+        remat = found.remat if regions is not None else ()
         if found.status != "OPTIMAL" or ctx.left() < MIN_SECONDS:
             break
     proven = found.status == "OPTIMAL" and window == stages[-1]  # over ``ilp``'s plans, not a narrower window's
     shorter = "" if window == stages[-1] else f"regions of at most {window} nodes, "
     portfolio = f"CP-SAT's portfolio for the time left ({shorter}{found.describe()})"
-    if regions is None or regions == start:
+    if regions is None or (regions == start and remat == start_remat):
         if proven and start is not None and own:  # proven by the model of ``ilp``'s plans
             return best.but(solver="ilp", status="optimal", gap=0.0, origin=best.origin or best.solver,
                             note=f"{CHOSE}the {best.solver} plan ({_own(best)}), proven optimal by {portfolio}")
         return best
     bare = Solution(regions=regions, report=best.report, solver="ilp")
-    plan = bare.resimulated(graph, regions) if own or onto is None else onto(bare)
+    plan = bare.resimulated(graph, regions, remat) if own or onto is None else onto(bare)
     if plan.peak_bytes > budget_bytes or plan.cost_seconds >= best.cost_seconds:
         return best
     proven = proven and own
-    where = "" if own else " on the graph with cheap ops rematerialised"
+    where = (" and rematerialisation chosen together" if joint else "") if own else " on the graph with cheap ops rematerialised"
     note = (f"{CHOSE}one-level regions with keep-sets{where}, from the {best.solver} plan costing "
             f"{best.cost_seconds * 1e3:.3g} ms, then {portfolio}" + (f"; {plan.note}" if plan.note else ""))
     ctx.report(cost_seconds=plan.cost_seconds, peak_bytes=plan.peak_bytes)

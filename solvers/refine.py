@@ -12,6 +12,7 @@ far (``benchmarks/ilp_speed.py --time-limit 6`` measures both).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptplan.graph import ComputeGraph
@@ -101,21 +102,23 @@ def shed_keeps(
 
 
 def simplify(
-    graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int, *, ctx: SolveContext | None = None
+    graph: ComputeGraph, regions: tuple[Region, ...], budget_bytes: int, *, ctx: SolveContext | None = None,
+    remat: Sequence[str] = (),
 ) -> tuple[Region, ...]:
     """Drop regions and keeps that buy nothing: each is removed, in execution order, when the plan
-    without it still fits ``budget_bytes`` and recomputes no more. A stopped search leaves such
+    without it (rematerialising ``remat`` throughout) still fits ``budget_bytes`` and recomputes
+    no more. A stopped search leaves such
     no-ops behind (a one-node region keeping its node, a region around free ops), and every
     region is a ``checkpoint`` call at run time. ``ctx``'s deadline (or Ctrl-C) ends the trials
     early, with what they removed so far: one simulation per region and keep
     adds up on large graphs (see ``ilp_tuning.SIMPLIFY_GRACE``)."""
-    best: Report = simulate(graph, regions)
+    best: Report = simulate(graph, regions, remat=remat)
 
     def no_worse(candidate: tuple[Region, ...]) -> bool:
         nonlocal best
         if ctx is not None and ctx.over():
             return False
-        report = simulate(graph, candidate)
+        report = simulate(graph, candidate, remat=remat)
         if report.peak_bytes <= budget_bytes and report.cost_seconds <= best.cost_seconds:
             best = report
             return True

@@ -25,7 +25,14 @@ from ckptplan.region import Region
 from ckptplan.simulation import Report, simulate
 from ckptplan.solvers import ilp_tuning as tuning
 from ckptplan.solvers.context import SolveContext
-from ckptplan.solvers.cpsat import configure, extract_regions, extract_remat, fix_plan, solve_interruptibly
+from ckptplan.solvers.cpsat import (
+    configure,
+    extract_regions,
+    extract_remat,
+    fix_plan,
+    lighten_presolve,
+    solve_interruptibly,
+)
 from ckptplan.solvers.ilp_model import build_model, region_window
 from ckptplan.solvers.solution import Solution, solution
 
@@ -88,11 +95,8 @@ def search_with_remat(
             solver = cp_model.CpSolver()
             configure(solver, wall_seconds=phase.left(),
                       deterministic_seconds=min(STEP_DETERMINISTIC_SECONDS, clock), workers=1, seed=seed)
-            # Most of a step's time is CP-SAT's presolve of the copied model; these cut it, with
-            # the same step optima (docs/tuning.md, "remat_ilp").
-            solver.parameters.max_presolve_iterations = 1
-            solver.parameters.cp_model_probing_level = 0
-            solver.parameters.symmetry_level = 0
+            # Most of a step's time is CP-SAT's presolve of the copied model.
+            lighten_presolve(solver)
             code = solve_interruptibly(solver, sub, ctx)
             clock -= solver.ResponseProto().deterministic_time
             steps += 1

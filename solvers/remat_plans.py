@@ -11,6 +11,7 @@ from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.region import Region
 from ckptplan.simulation import build_region_tree, simulate
+from ckptplan.solvers import ilp_tuning as tuning
 from ckptplan.solvers import remat_ilp
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.least import least_of
@@ -23,6 +24,10 @@ log = logging.getLogger(__name__)
 PLAIN_SHARE = 0.4  # with the joint search: the plain solve's part, to 1 - PLAIN_SHARE - JOINT_SHARE for the other solve
 JOINT_SHARE = 0.2  # of with_remat's time limit: the joint search (docs/tuning.md, "remat_ilp")
 SHED_SIMULATED_NODES = 20_000  # shed_remat simulates at most this many nodes' worth of plans (and 8 plans)
+# Graphs up to this many nodes get one portfolio search of regions and rematerialisation
+# together (``polish.polish(joint=True)``) in place of the solve on the rematerialised graph and
+# the neighbourhood search (docs/tuning.md, "polish").
+JOINT_PORTFOLIO_MAX_NODES = tuning.FLAT_MAX_NODES
 
 
 def with_remat(
@@ -42,20 +47,28 @@ def with_remat(
       (``remat.Remat.graph``), less those its regions contain or store as inputs (they would
       free nothing) and those ``shed_remat`` finds the plan fits without, if the simulator
       confirms it fits once savers inside its regions are left to them;
-    * for ``auto`` on graphs the whole CP-SAT model suits (``polish.polishes``), CP-SAT's
-      portfolio from the plain plan on ``graph`` and from the rematerialised graph's plan there,
-      the cheaper first, each until half of the time left has passed (``polish.polish``);
-    * for ``auto`` and ``ilp`` when the graph is small enough and the time allows
-      (``remat_ilp.affordable``), then the joint model's neighbourhood search from the cheapest
-      of these (``remat_ilp.search_with_remat``), which chooses regions and rematerialisation
-      together.
+    * for ``auto`` on graphs of at most ``JOINT_PORTFOLIO_MAX_NODES`` nodes that the whole
+      CP-SAT model suits (``polish.polishes``): CP-SAT's portfolio of the joint model, which
+      chooses regions and rematerialisation together, from the cheapest of these
+      (``polish.polish(joint=True)``), until the deadline;
+    * for ``auto`` on larger graphs it suits, the portfolio of regions alone from the plain
+      plan on ``graph`` and from the rematerialised graph's plan there, the cheaper first, each
+      until half of the time left has passed (``polish.polish``);
+    * otherwise, for ``auto`` and ``ilp`` when the graph is small enough and the time allows
+      (``remat_ilp.affordable``), the joint model's neighbourhood search from the cheapest of
+      these (``remat_ilp.search_with_remat``).
 
-    ``ctx.limit`` is shared: ``JOINT_SHARE`` for the neighbourhood search at the end when it
-    runs; of the rest, ``polish.SHARE`` for the portfolio searches when they run, which also
-    take what the solves before them leave; the remainder goes to the plain solve and the
-    solve on the rematerialised graph (``PLAIN_SHARE`` to ``1 - PLAIN_SHARE - JOINT_SHARE``
-    with the neighbourhood search, half each without it). Each solve ends by its share's end,
-    the searches by ``ctx``'s deadline (less the neighbourhood search's share).
+    ``ctx.limit`` is shared. With the joint portfolio, the plain solve gets
+    ``(1 - polish.SHARE) * PLAIN_SHARE`` of it and the portfolio the rest. Otherwise
+    ``JOINT_SHARE`` goes to the neighbourhood search at the end when it runs; of the rest,
+    ``polish.SHARE`` to the portfolio searches when they run, which also take what the solves
+    before them leave; the remainder to the plain solve and the solve on the rematerialised
+    graph (``PLAIN_SHARE`` to ``1 - PLAIN_SHARE - JOINT_SHARE`` with the neighbourhood search,
+    half each without it). Each solve ends by its share's end, the searches by ``ctx``'s
+    deadline (less the neighbourhood search's share).
+    With the joint portfolio, the solve on the rematerialised graph runs only when the plain
+    solve fits nothing, in the time the solves have left (a start for the portfolio, or a lower
+    least peak).
     ``solver`` names what ``run`` runs, for the notes and the search. A Ctrl-C that stopped the
     plain solve's ``ilp`` skips the later solve and the searches. When neither fits, the least
     peak of the plans either made (``solvers.least``), each simulated on ``graph``."""
@@ -63,12 +76,18 @@ def with_remat(
     order = _remat.by_price(graph)
     names = tuple(graph.nodes[x].name for x in order)
     alone = bool(order) and simulate(graph, (), remat=names).peak_bytes <= budget_bytes
-    both = bool(order) and not alone
-    joint = solver in ("auto", "ilp") and remat_ilp.affordable(graph, limit * JOINT_SHARE)
     polishing = polishes(graph, solver, limit)
+    # The portfolio searches regions and rematerialisation together: no neighbourhood search
+    # after it, and no solve on the rematerialised graph unless the plain solve fits nothing.
+    together = polishing and bool(order) and len(graph.nodes) <= JOINT_PORTFOLIO_MAX_NODES
+    both = bool(order) and not alone
+    joint = solver in ("auto", "ilp") and not together and remat_ilp.affordable(graph, limit * JOINT_SHARE)
     reserve = limit * JOINT_SHARE if joint else 0.0  # the joint search's, at the end
     solves = (limit - reserve) * (1 - POLISH_SHARE) if polishing else limit - reserve  # the two solves'
-    plain_seconds = solves * ((PLAIN_SHARE / (1 - JOINT_SHARE) if joint else 0.5) if both or joint else 1.0)
+    if together:  # the plain solve's time as beside a joint search, the rest the portfolio's
+        plain_seconds = limit * (1 - POLISH_SHARE) * PLAIN_SHARE
+    else:
+        plain_seconds = solves * ((PLAIN_SHARE / (1 - JOINT_SHARE) if joint else 0.5) if both or joint else 1.0)
     plans: list[Solution] = []
     errors: list[InfeasibleBudgetError] = []
     plain = None  # the plain solve's plan
@@ -77,6 +96,7 @@ def with_remat(
         plans.append(plain)
     except InfeasibleBudgetError as exc:
         errors.append(exc)
+    both = both and not (together and plain is not None)
     if alone:
         fits, short = len(names), 0  # the prefix of length ``fits`` fits; ``short`` does not (or is empty)
         while fits - short > 1:
@@ -116,7 +136,11 @@ def with_remat(
     if not plans:
         plans.append(least_of(errors, budget_bytes, "No plan fits"))
     best = min(plans, key=lambda p: (p.cost_seconds, p.peak_bytes))
-    if polishing:
+    if together:
+        found = polish(graph, budget_bytes, best, ctx, joint=True)
+        if (found.cost_seconds, found.status != "optimal") < (best.cost_seconds, best.status != "optimal"):
+            best = found
+    elif polishing:
         # Each graph's plan gets its portfolio search, the cheaper first, each half the time left
         # (docs/tuning.md, "polish"): which graph's search ends cheaper differs by model.
         starts = sorted((p for p in (plain, from_rematerialised) if p is not None), key=lambda p: p.cost_seconds)

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from ortools.sat.python import cp_model
 
 import ckptplan
 from ckptplan import Region, remat
@@ -18,9 +19,14 @@ from ckptplan.build import make_plan
 from ckptplan.errors import PlanFormatError
 from ckptplan.profiler.loss import training_loss
 from ckptplan.simulation import baseline_peak_bytes, simulate
+from ckptplan.solvers import remat_plans
 from ckptplan.solvers.context import SolveContext
+from ckptplan.solvers.ilp_lazy import search_lazily
+from ckptplan.solvers.ilp_model import COST_SCALE, build_model
+from ckptplan.solvers.polish import polish
 from ckptplan.solvers.remat_ilp import search_with_remat
 from ckptplan.solvers.remat_plans import shed_remat
+from ckptplan.solvers.solution import solution
 from ckptplan.solvers.sqrt import solve_sqrt
 from tests import models
 from tests.conftest import assert_same_gradients, load_example
@@ -368,3 +374,85 @@ def test_solve_reaches_a_chain_only_plan_where_chain_free_sets_cannot(conv_norm_
     assert not plan.regions and remat.chains(graph, remat.indices(graph, plan.remat))
     assert plan.prediction.peak_bytes <= budget
     assert plan.prediction.cost_seconds < plain.prediction.cost_seconds
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.75, 0.85])
+def test_the_lazy_joint_search_proves_the_whole_joint_model_s_optimum(conv_norm_silu, fraction: float) -> None:
+    """Regions and rematerialisation searched together with rows added as plans break them
+    (``ilp_lazy.search_lazily(remat=...)``, the joint portfolio's search) end where CP-SAT on the
+    whole joint model ends: the same least cost, proven, on a plan the simulator confirms within
+    the budget, never dearer than the least plan without rematerialisation."""
+    _, _, graph = conv_norm_silu
+    candidates = remat.candidates(graph)
+    budget = int(fraction * baseline_peak_bytes(graph))
+    model, v = build_model(graph, budget, remat=candidates)
+    model.Minimize(v.cost)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = 60
+    solver.parameters.num_workers = 2
+    assert solver.Solve(model) == cp_model.OPTIMAL
+    whole = solver.ObjectiveValue() / COST_SCALE
+    joint = search_lazily(graph, budget, None, SolveContext.limited(60), seconds=60, workers=2, remat=candidates)
+    plain = search_lazily(graph, budget, None, SolveContext.limited(60), seconds=60, workers=2)
+    assert joint.status == plain.status == "OPTIMAL"
+    report = simulate(graph, joint.regions, remat=joint.remat)
+    assert report.peak_bytes <= budget and report.cost_seconds * COST_SCALE == pytest.approx(joint.cost)
+    slack = 4 * len(graph.nodes) / COST_SCALE  # the model rounds each cost term to a whole unit
+    assert abs(report.cost_seconds - whole) <= slack
+    assert report.cost_seconds <= plain.cost / COST_SCALE
+    assert set(joint.remat) <= {graph.nodes[x].name for x in candidates}
+
+
+def test_the_joint_portfolio_returns_a_plan_that_fits_from_a_start_that_rematerialises(gpt) -> None:
+    """``polish(joint=True)`` from a plan rematerialising the cheapest prefix of candidates that
+    fits (no regions) returns a plan the simulator confirms within the budget, no dearer than
+    its start, rematerialising only candidates."""
+    _, _, graph = gpt
+    names = _names(graph, remat.by_price(graph))
+    lowest = simulate(graph, (), remat=names).peak_bytes
+    budget = (lowest + baseline_peak_bytes(graph)) // 2
+    k = next(k for k in range(len(names) + 1) if simulate(graph, (), remat=names[:k]).peak_bytes <= budget)
+    begin = solution(graph, (), "remat", remat=names[:k])
+    found = polish(graph, budget, begin, SolveContext.limited(6), joint=True)
+    report = simulate(graph, found.regions, remat=found.remat)
+    assert report.peak_bytes == found.peak_bytes <= budget
+    assert report.cost_seconds == pytest.approx(found.cost_seconds, rel=1e-12)
+    assert found.cost_seconds <= begin.cost_seconds
+    assert set(found.remat) <= set(names)
+    if found is not begin:
+        assert found.solver == "ilp" and "rematerialisation chosen together" in found.note
+
+
+def test_with_the_joint_portfolio_the_rematerialised_graph_is_solved_only_when_the_plain_solve_fits_nothing(
+    gpt,
+) -> None:
+    """Under ``auto``'s joint portfolio the solve on the rematerialised graph is skipped when the
+    plain solve has a plan, and runs when it has none: its plan, made one of the model's graph,
+    is the portfolio's start and what comes back fits."""
+    _, _, graph = gpt
+    order = remat.by_price(graph)
+    names = _names(graph, order)
+    rematerialised = remat.Remat(graph, order, ()).graph
+    for fraction in (0.8, 0.75, 0.85, 0.9, 0.7):  # rematerialisation alone does not fit; sqrt's plans do
+        budget = int(fraction * baseline_peak_bytes(graph))
+        try:
+            solve_sqrt(rematerialised, int(0.97 * budget))
+            solve_sqrt(graph, budget)
+        except ckptplan.InfeasibleBudgetError:
+            continue
+        if simulate(graph, (), remat=names).peak_bytes > budget:
+            break
+    assert simulate(graph, (), remat=names).peak_bytes > budget
+    for plain_fits in (True, False):
+        solved = []
+
+        def run(g, phase, plain_fits=plain_fits, solved=solved):
+            solved.append("plain" if g is graph else "rematerialised")
+            if g is graph and not plain_fits:
+                raise ckptplan.InfeasibleBudgetError("no plan", budget_bytes=budget, min_peak_bytes=budget + 1)
+            # the other graph's plan with room for what it rematerialises on the model's graph
+            return solve_sqrt(g, budget if g is graph else int(0.97 * budget))
+
+        found = remat_plans.with_remat(graph, budget, run, SolveContext.limited(4), "auto")
+        assert solved == (["plain"] if plain_fits else ["plain", "rematerialised"])
+        assert simulate(graph, found.regions, remat=found.remat).peak_bytes == found.peak_bytes <= budget
