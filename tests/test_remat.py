@@ -418,7 +418,7 @@ def test_the_joint_portfolio_returns_a_plan_that_fits_from_a_start_that_remateri
     assert report.peak_bytes == found.peak_bytes <= budget
     assert report.cost_seconds == pytest.approx(found.cost_seconds, rel=1e-12)
     assert found.cost_seconds <= begin.cost_seconds
-    assert set(found.remat) <= set(names)
+    assert set(found.remat) <= set(_names(graph, remat.candidates(graph)))  # by_price leaves some out
     if found is not begin:
         assert found.solver == "ilp" and "rematerialisation chosen together" in found.note
 
