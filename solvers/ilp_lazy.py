@@ -401,5 +401,5 @@ def search_lazily(
     return LazyResult(
         status=status, regions=best, cost=cost, bound=min(bound, cost), rounds=rounds, rows=deferred - len(v.deferred),
         deferred=deferred, seeded=seeded, variables=len(proto.variables), constraints=len(proto.constraints),
-        seconds=phase.elapsed(), remat=best_remat if best is not None else (),
+        seconds=phase.elapsed(), remat=best_remat,
     )

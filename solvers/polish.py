@@ -123,7 +123,7 @@ def _polish(
         found, regions = proof_phase(searched, budget_bytes, regions, phase, seconds=ctx.left(), seed=0,
                                      window=window, bound=0.0, announce=False, remat=candidates, start_remat=remat,
                                      rows=rows, light_presolve=joint)
-        remat = found.remat if regions is not None else ()
+        remat = found.remat
         if found.status != "OPTIMAL" or ctx.left() < MIN_SECONDS:
             break
     proven = found.status == "OPTIMAL" and window == stages[-1]  # over ``ilp``'s plans, not a narrower window's

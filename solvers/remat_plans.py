@@ -136,21 +136,19 @@ def with_remat(
     if not plans:
         plans.append(least_of(errors, budget_bytes, "No plan fits"))
     best = min(plans, key=lambda p: (p.cost_seconds, p.peak_bytes))
-    if together:
-        found = polish(graph, budget_bytes, best, ctx, joint=True)
-        if (found.cost_seconds, found.status != "optimal") < (best.cost_seconds, best.status != "optimal"):
-            best = found
-    elif polishing:
-        # Each graph's plan gets its portfolio search, the cheaper first, each half the time left
-        # (docs/tuning.md, "polish"): which graph's search ends cheaper differs by model.
-        starts = sorted((p for p in (plain, from_rematerialised) if p is not None), key=lambda p: p.cost_seconds)
+    if polishing:
+        # The joint portfolio from the cheapest plan; or each graph's plan gets its portfolio
+        # search, the cheaper first, each half the time left (docs/tuning.md, "polish"): which
+        # graph's search ends cheaper differs by model.
+        starts = [best] if together else sorted(
+            (p for p in (plain, from_rematerialised) if p is not None), key=lambda p: p.cost_seconds)
         for k, start in enumerate(starts):
             phase = ctx.before(reserve)
             phase = phase.within(phase.left() / (len(starts) - k))
-            if start is from_rematerialised:
+            if start is from_rematerialised and not together:
                 found = polish(graph, budget_bytes, start, phase, solved_on=rematerialised.graph, onto=onto)
             else:
-                found = polish(graph, budget_bytes, start, phase)
+                found = polish(graph, budget_bytes, start, phase, joint=together)
             if (found.cost_seconds, found.status != "optimal") < (best.cost_seconds, best.status != "optimal"):
                 best = found
     if joint and best.cost_seconds > 0 and not ctx.cancelled:
