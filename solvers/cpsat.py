@@ -158,12 +158,12 @@ def configure(
     wall-clock limit only backs it up (at least ``MIN_WALL_SECONDS``, so that a short search on a
     loaded machine still ends on its deterministic clock). More workers search better but not
     reproducibly; fewer than ``FULL_PORTFOLIO_WORKERS`` run ``BOUND_SUBSOLVERS`` as their full-problem
-    workers."""
+    workers, as many as leave one worker to CP-SAT's first-solution and neighbourhood subsolvers."""
     solver.parameters.max_time_in_seconds = max(MIN_WALL_SECONDS, wall_seconds)
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
     if 1 < workers < FULL_PORTFOLIO_WORKERS:
-        solver.parameters.subsolvers.extend(BOUND_SUBSOLVERS)
+        solver.parameters.subsolvers.extend(BOUND_SUBSOLVERS[: workers - 1])
     if workers == 1:
         solver.parameters.max_deterministic_time = max(0.01, deterministic_seconds)
 

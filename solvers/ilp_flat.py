@@ -306,9 +306,10 @@ def proof_phase(
     start_remat: tuple[str, ...] = (),
     rows: tuple[int, int | None] | None = None,
     light_presolve: bool = False,
+    workers: int | None = None,
 ) -> tuple[LazyResult, tuple[Region, ...] | None]:
-    """The lazy search with CP-SAT's portfolio (``proof_workers()``) from ``regions`` (None: from
-    no plan) for ``seconds``: its result, and the plan it ends with (``regions`` unless it found a
+    """The lazy search with CP-SAT's portfolio (``workers``; None: ``proof_workers()``) from
+    ``regions`` (None: from no plan) for ``seconds``: its result, and the plan it ends with (``regions`` unless it found a
     strictly cheaper one, which is simplified until ``tuning.SIMPLIFY_GRACE`` of ``seconds`` past
     them). ``remat`` (candidates) and ``start_remat``: the joint model's search
     (``ilp_lazy.search_lazily``); the plan it ends with rematerialises the result's ``remat``.
@@ -318,7 +319,7 @@ def proof_phase(
     seeding = {} if rows is None else {"seeded_rows": rows[0], "rows_per_round": rows[1]}
     proof = proof_search(graph, budget_bytes, regions, ctx, seconds=seconds, seed=seed, window=window, bound=bound,
                          announce=announce, remat=remat, start_remat=start_remat, light_presolve=light_presolve,
-                         **seeding)
+                         workers=workers, **seeding)
     if proof.regions == regions and proof.remat == start_remat:
         return proof, regions
     return proof, simplify(graph, proof.regions, budget_bytes, ctx=ctx.within(seconds * (1 + tuning.SIMPLIFY_GRACE)),

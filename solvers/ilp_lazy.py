@@ -134,12 +134,24 @@ def _slack(graph: ComputeGraph) -> int:
     return 2 * len(graph.nodes) + 1
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def proof_workers() -> int:
     """The proof phase's CP-SAT workers: one per core where CP-SAT's own portfolio fits
     (``cpsat.FULL_PORTFOLIO_WORKERS`` cores or more), else ``PROOF_WORKERS``, which
     ``cpsat.configure`` gives its bound-raising workers (``BOUND_SUBSOLVERS``)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = _cores()
     return cores if cores >= FULL_PORTFOLIO_WORKERS else PROOF_WORKERS
+
+
+def search_workers() -> int:
+    """The workers of a portfolio that searches for cheaper plans more than for a proof
+    (``auto``'s last phase, ``solvers.polish``): ``proof_workers()``, but no more than one per
+    core. On 2 cores that drops the LP tree search and leaves CP-SAT's neighbourhood workers a
+    core of their own (docs/tuning.md, "polish", ``search_workers``)."""
+    return min(proof_workers(), _cores())
 
 
 def _fullest(report: Report, keys) -> list[tuple[str, int]]:
@@ -209,14 +221,15 @@ def proof_search(
     seeded_rows: int = PROOF_SEEDED_ROWS,
     rows_per_round: int | None = PROOF_ROWS_PER_ROUND,
     light_presolve: bool = False,
+    workers: int | None = None,
 ) -> LazyResult:
-    """The proof phase: ``search_lazily`` with ``proof_workers()``, ``seeded_rows`` up front
+    """The proof phase: ``search_lazily`` with ``workers`` (None: ``proof_workers()``), ``seeded_rows`` up front
     and ``rows_per_round`` per round; or, when ``regions``' whole cost is recomputing some
     of a class of interchangeable nodes, the same search of the plans that recompute fewer of
     them (``fewer_of_a_class``). ``remat`` and ``start_remat``: the joint model's, as
     ``search_lazily`` takes them (the plans a rematerialisation recomputes are no class's), and
     so is ``light_presolve``."""
-    options = {"seconds": seconds, "workers": proof_workers(), "seed": seed, "window": window, "bound": bound,
+    options = {"seconds": seconds, "workers": workers or proof_workers(), "seed": seed, "window": window, "bound": bound,
                "announce": announce, "seeded_rows": seeded_rows, "rows_per_round": rows_per_round,
                "remat": remat, "start_remat": start_remat, "light_presolve": light_presolve}
     fewer = fewer_of_a_class(graph, regions) if regions is not None and not remat else None

@@ -101,6 +101,7 @@ def _polish(
     joint: bool,
 ) -> Solution:
     from ckptplan.solvers.ilp_flat import proof_phase  # imports ortools
+    from ckptplan.solvers.ilp_lazy import search_workers
 
     own = solved_on is None
     joint = joint and own
@@ -122,7 +123,7 @@ def _polish(
         rows = JOINT_ROWS if joint and hinted else None
         found, regions = proof_phase(searched, budget_bytes, regions, phase, seconds=ctx.left(), seed=0,
                                      window=window, bound=0.0, announce=False, remat=candidates, start_remat=remat,
-                                     rows=rows, light_presolve=joint)
+                                     rows=rows, light_presolve=joint, workers=search_workers())
         remat = found.remat
         if found.status != "OPTIMAL" or ctx.left() < MIN_SECONDS:
             break
