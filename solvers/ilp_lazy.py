@@ -313,9 +313,10 @@ def search_lazily(
     fullest; None: all). ``within``: search only the plans in that range (``regions`` then
     only bounds the cost, and hints the search if it lies in the range; a range without plans
     ends ``OPTIMAL``: none is cheaper). A ``regions`` with a region longer than ``window``
-    nodes is no plan of the model either, and is taken the same way; since no round then has a
-    hint to start from, at least ``UNHINTED_SEEDED_ROWS`` rows join up front and every row a plan
-    breaks joins after it. ``remat``: rematerialisation candidates (``ckptplan.remat``) the joint
+    nodes is no plan of the model either: no round has a hint to start from, at least
+    ``UNHINTED_SEEDED_ROWS`` rows join up front, every row a plan breaks joins after it, and
+    only the plans cheaper than ``regions`` count, though CP-SAT is free to pass through dearer
+    ones (the search ends ``OPTIMAL`` when none of the model's plans is cheaper). ``remat``: rematerialisation candidates (``ckptplan.remat``) the joint
     model decides beside the regions (``build_model``'s ``remat``), and ``start_remat`` the names
     ``regions`` rematerialises; a start the model cannot state (a name no candidate, or one its
     rules forbid) is taken as one past the window is. ``light_presolve``: each round's CP-SAT
@@ -347,9 +348,13 @@ def search_lazily(
             seeded_rows, rows_per_round = max(seeded_rows, UNHINTED_SEEDED_ROWS), None
         seeded = _seed_rows(v, report, seeded_rows)
         if outside:
+            hinted = None
+        if outside and within is not None:
             # CP-SAT never sees this plan as a solution, so it would prune with the dearer ones it
             # finds; only plans no dearer matter (model costs are within ``slack`` of simulated ones).
-            hinted = None
+            # Without a range the search is not bounded so: from no hint, CP-SAT's first plans
+            # are often dearer than the start, and its neighbourhood workers improve on them
+            # (docs/tuning.md, "ilp_lazy", ``UNHINTED_SEEDED_ROWS``).
             model.Add(v.cost <= math.floor(best_cost * COST_SCALE) + slack)
     clock = deterministic_seconds if workers == 1 else None
     status, rounds = "UNKNOWN", 0
