@@ -51,9 +51,9 @@ def with_remat(
       CP-SAT model suits (``polish.polishes``): CP-SAT's portfolio of the joint model, which
       chooses regions and rematerialisation together, from the cheapest of these
       (``polish.polish(joint=True)``), until the deadline;
-    * for ``auto`` on larger graphs it suits, the portfolio of regions alone from the plain
-      plan on ``graph`` and from the rematerialised graph's plan there, the cheaper first, each
-      until half of the time left has passed (``polish.polish``);
+    * for ``auto`` on larger graphs it suits, the portfolio of regions alone from the cheaper of
+      the plain plan and the rematerialised graph's plan, on the graph it was solved on, until
+      the deadline (``polish.polish``; the rematerialised graph's then sheds what it can);
     * otherwise, for ``auto`` and ``ilp`` when the graph is small enough and the time allows
       (``remat_ilp.affordable``), the joint model's neighbourhood search from the cheapest of
       these (``remat_ilp.search_with_remat``).
@@ -61,11 +61,11 @@ def with_remat(
     ``ctx.limit`` is shared. With the joint portfolio, the plain solve gets
     ``(1 - polish.SHARE) * PLAIN_SHARE`` of it and the portfolio the rest. Otherwise
     ``JOINT_SHARE`` goes to the neighbourhood search at the end when it runs; of the rest,
-    ``polish.SHARE`` to the portfolio searches when they run, which also take what the solves
+    ``polish.SHARE`` to the portfolio search when it runs, which also takes what the solves
     before them leave; the remainder to the plain solve and the solve on the rematerialised
     graph (``PLAIN_SHARE`` to ``1 - PLAIN_SHARE - JOINT_SHARE`` with the neighbourhood search,
-    half each without it). Each solve ends by its share's end, the searches by ``ctx``'s
-    deadline (less the neighbourhood search's share).
+    half each without it). Each solve ends by its share's end, the search by ``ctx``'s
+    deadline (less the neighbourhood search's share, and what shedding takes).
     With the joint portfolio, the solve on the rematerialised graph runs only when the plain
     solve fits nothing, in the time the solves have left (a start for the portfolio, or a lower
     least peak).
@@ -136,21 +136,20 @@ def with_remat(
     if not plans:
         plans.append(least_of(errors, budget_bytes, "No plan fits"))
     best = min(plans, key=lambda p: (p.cost_seconds, p.peak_bytes))
-    if polishing:
-        # The joint portfolio from the cheapest plan; or each graph's plan gets its portfolio
-        # search, the cheaper first, each half the time left (docs/tuning.md, "polish"): which
-        # graph's search ends cheaper differs by model.
-        starts = [best] if together else sorted(
-            (p for p in (plain, from_rematerialised) if p is not None), key=lambda p: p.cost_seconds)
-        for k, start in enumerate(starts):
-            phase = ctx.before(reserve)
-            phase = phase.within(phase.left() / (len(starts) - k))
-            if start is from_rematerialised and not together:
-                found = polish(graph, budget_bytes, start, phase, solved_on=rematerialised.graph, onto=onto)
-            else:
-                found = polish(graph, budget_bytes, start, phase, joint=together)
-            if (found.cost_seconds, found.status != "optimal") < (best.cost_seconds, best.status != "optimal"):
-                best = found
+    # One portfolio search, from the cheapest plan: of the joint model where it suits the graph,
+    # else of regions alone on the graph the plan was solved on (docs/tuning.md, "polish").
+    start = best if together else min((p for p in (plain, from_rematerialised) if p is not None),
+                                      key=lambda p: p.cost_seconds, default=None)
+    if polishing and start is not None:
+        phase = ctx.before(reserve)
+        if start is from_rematerialised and not together:
+            # ``onto`` sheds rematerialisation after the search: its simulations come out of the search's time
+            found = polish(graph, budget_bytes, start, phase.before(_shed_seconds(graph)),
+                           solved_on=rematerialised.graph, onto=onto)
+        else:
+            found = polish(graph, budget_bytes, start, phase, joint=together)
+        if (found.cost_seconds, found.status != "optimal") < (best.cost_seconds, best.status != "optimal"):
+            best = found
     if joint and best.cost_seconds > 0 and not ctx.cancelled:
         ctx.report("joint search of regions and rematerialisation")
         found = remat_ilp.search_with_remat(graph, budget_bytes, best, ctx.sized(reserve))
@@ -178,6 +177,13 @@ def shed_remat(graph: ComputeGraph, regions: tuple[Region, ...], nodes: Sequence
         if simulate(graph, regions, remat=names).peak_bytes <= budget_bytes:
             kept = trial
     return kept
+
+
+def _shed_seconds(graph: ComputeGraph) -> float:
+    """What ``shed_remat`` may take on ``graph``: its simulations of the whole graph, each priced
+    as ``ilp.keep_more``'s moves (``ilp_tuning.LARGE_SIMULATE_SECONDS_PER_NODE``)."""
+    nodes = max(1, len(graph.nodes))
+    return max(8, SHED_SIMULATED_NODES // nodes) * tuning.LARGE_SIMULATE_SECONDS_PER_NODE * nodes
 
 
 def _beside(graph: ComputeGraph, nodes: Sequence[int], regions: tuple[Region, ...]) -> list[int]:
