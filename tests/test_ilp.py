@@ -649,6 +649,30 @@ def test_a_start_longer_than_the_window_states_more_rows_up_front_and_still_ends
     assert again.seeded == min(PROOF_SEEDED_ROWS, again.deferred) and again.status == "OPTIMAL"
 
 
+def test_a_start_longer_than_the_window_and_cheaper_than_its_plans_is_kept_and_proven() -> None:
+    """From no hint the search is not bounded by the start's cost (CP-SAT may pass through the
+    window's dearer plans), yet only cheaper plans count: from a start past the window that
+    costs less than the window's optimum (found by the same search from no plan), the search
+    returns the start, proven optimal among the window's plans."""
+    graph, window = skip_graph(), 3
+    reports = [(plan, simulate(graph, plan)) for plan in one_level_plans(graph, max_keeps=0)]
+    tried = 0
+    for budget in sorted({r.peak_bytes for _, r in reports})[1:6]:
+        best = proof_search(graph, budget, None, SolveContext.limited(30), seconds=30, window=window, announce=False)
+        if best.status != "OPTIMAL" or best.regions is None:
+            continue
+        optimum = simulate(graph, best.regions).cost_seconds
+        cheaper = [(plan, r) for plan, r in reports if r.peak_bytes <= budget and r.cost_seconds < optimum * (1 - 1e-6)]
+        if not cheaper:
+            continue
+        start = tuple(min(cheaper, key=lambda pr: pr[1].cost_seconds)[0])
+        assert max(region.end - region.start for region in start) > window
+        found = proof_search(graph, budget, start, SolveContext.limited(30), seconds=30, window=window, announce=False)
+        assert found.regions == start and found.status == "OPTIMAL"
+        tried += 1
+    assert tried, "no budget has a start past the window cheaper than its optimum"
+
+
 # ----------------------------------------------------------------------------- real models
 def test_keep_set_plan_on_unet_runs_with_equal_gradients_and_measured_peak() -> None:
     model, args = load_example("unet").build(batch=2)
