@@ -223,8 +223,8 @@ def proof_search(
     light_presolve: bool = False,
     workers: int | None = None,
 ) -> LazyResult:
-    """The proof phase: ``search_lazily`` with ``workers`` (None: ``proof_workers()``), ``seeded_rows`` up front
-    and ``rows_per_round`` per round; or, when ``regions``' whole cost is recomputing some
+    """The proof phase: ``search_lazily`` with ``workers`` (None: ``proof_workers()``),
+    ``seeded_rows`` up front and ``rows_per_round`` per round; or, when ``regions``' whole cost is recomputing some
     of a class of interchangeable nodes, the same search of the plans that recompute fewer of
     them (``fewer_of_a_class``). ``remat`` and ``start_remat``: the joint model's, as
     ``search_lazily`` takes them (the plans a rematerialisation recomputes are no class's), and
@@ -316,8 +316,9 @@ def search_lazily(
     nodes is no plan of the model either: no round has a hint to start from, at least
     ``UNHINTED_SEEDED_ROWS`` rows join up front, every row a plan breaks joins after it, and
     only the plans cheaper than ``regions`` count, though CP-SAT is free to pass through dearer
-    ones (the search ends ``OPTIMAL`` when none of the model's plans is cheaper). ``remat``: rematerialisation candidates (``ckptplan.remat``) the joint
-    model decides beside the regions (``build_model``'s ``remat``), and ``start_remat`` the names
+    ones (the search ends ``OPTIMAL`` when none of the model's plans is cheaper). ``remat``:
+    rematerialisation candidates (``ckptplan.remat``) the joint model decides beside the
+    regions (``build_model``'s ``remat``), and ``start_remat`` the names
     ``regions`` rematerialises; a start the model cannot state (a name no candidate, or one its
     rules forbid) is taken as one past the window is. ``light_presolve``: each round's CP-SAT
     presolves once (``cpsat.lighten_presolve``). Ctrl-C ends the search with the best plan
