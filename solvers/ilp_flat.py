@@ -311,8 +311,9 @@ def proof_phase(
     """The lazy search with CP-SAT's portfolio (``workers``; None: ``proof_workers()``) from
     ``regions`` (None: from no plan) for ``seconds``: its result, and the plan it ends with
     (``regions`` unless it found a strictly cheaper one, which is simplified until
-    ``tuning.SIMPLIFY_GRACE`` of ``seconds`` past them). ``remat`` (candidates) and ``start_remat``: the joint model's search
-    (``ilp_lazy.search_lazily``); the plan it ends with rematerialises the result's ``remat``.
+    ``tuning.SIMPLIFY_GRACE`` of ``seconds`` past them). ``remat`` (candidates) and
+    ``start_remat``: the joint model's search (``ilp_lazy.search_lazily``); the plan it ends
+    with rematerialises the result's ``remat``.
     ``rows``: the memory rows stated up front and added per round (``proof_search``'s
     ``seeded_rows`` and ``rows_per_round``; None: its defaults), and ``light_presolve``, as it
     takes them."""

@@ -224,9 +224,9 @@ def proof_search(
     workers: int | None = None,
 ) -> LazyResult:
     """The proof phase: ``search_lazily`` with ``workers`` (None: ``proof_workers()``),
-    ``seeded_rows`` up front and ``rows_per_round`` per round; or, when ``regions``' whole cost is recomputing some
-    of a class of interchangeable nodes, the same search of the plans that recompute fewer of
-    them (``fewer_of_a_class``). ``remat`` and ``start_remat``: the joint model's, as
+    ``seeded_rows`` up front and ``rows_per_round`` per round; or, when ``regions``' whole cost
+    is recomputing some of a class of interchangeable nodes, the same search of the plans that
+    recompute fewer of them (``fewer_of_a_class``). ``remat`` and ``start_remat``: the joint model's, as
     ``search_lazily`` takes them (the plans a rematerialisation recomputes are no class's), and
     so is ``light_presolve``."""
     options = {"seconds": seconds, "workers": workers or proof_workers(), "seed": seed, "window": window, "bound": bound,
@@ -350,13 +350,13 @@ def search_lazily(
         seeded = _seed_rows(v, report, seeded_rows)
         if outside:
             hinted = None
-        if outside and within is not None:
-            # CP-SAT never sees this plan as a solution, so it would prune with the dearer ones it
-            # finds; only plans no dearer matter (model costs are within ``slack`` of simulated ones).
-            # Without a range the search is not bounded so: from no hint, CP-SAT's first plans
-            # are often dearer than the start, and its neighbourhood workers improve on them
-            # (docs/tuning.md, "ilp_lazy", ``UNHINTED_SEEDED_ROWS``).
-            model.Add(v.cost <= math.floor(best_cost * COST_SCALE) + slack)
+            if within is not None:
+                # CP-SAT never sees this plan as a solution, so it would prune with the dearer ones
+                # it finds; only plans no dearer matter (model costs are within ``slack`` of
+                # simulated ones). Without a range the search is not bounded so: from no hint,
+                # CP-SAT's first plans are often dearer than the start, and its neighbourhood
+                # workers improve on them (docs/tuning.md, "ilp_lazy", ``UNHINTED_SEEDED_ROWS``).
+                model.Add(v.cost <= math.floor(best_cost * COST_SCALE) + slack)
     clock = deterministic_seconds if workers == 1 else None
     status, rounds = "UNKNOWN", 0
     scored = announce and within is None  # the whole graph's search: its plans and bound are the solve's

@@ -107,9 +107,8 @@ def simplify(
 ) -> tuple[Region, ...]:
     """Drop regions and keeps that buy nothing: each is removed, in execution order, when the plan
     without it (rematerialising ``remat`` throughout) still fits ``budget_bytes`` and recomputes
-    no more. A stopped search leaves such
-    no-ops behind (a one-node region keeping its node, a region around free ops), and every
-    region is a ``checkpoint`` call at run time. ``ctx``'s deadline (or Ctrl-C) ends the trials
+    no more. A stopped search leaves such no-ops behind (a one-node region keeping its node, a
+    region around free ops), and every region is a ``checkpoint`` call at run time. ``ctx``'s deadline (or Ctrl-C) ends the trials
     early, with what they removed so far: one simulation per region and keep
     adds up on large graphs (see ``ilp_tuning.SIMPLIFY_GRACE``)."""
     best: Report = simulate(graph, regions, remat=remat)

@@ -171,7 +171,7 @@ def shed_remat(graph: ComputeGraph, regions: tuple[Region, ...], nodes: Sequence
     recomputes = {x: sum(x in xs for xs in covered.values()) for x in nodes}
     dearest = sorted(nodes, key=lambda x: (-(graph.nodes[x].fwd_cost + graph.remat_cost) * recomputes[x], x))
     kept = list(nodes)
-    for x in dearest[: max(8, SHED_SIMULATED_NODES // max(1, len(graph.nodes)))]:
+    for x in dearest[: _shed_trials(graph)]:
         trial = [y for y in kept if y != x]
         names = [graph.nodes[y].name for y in trial]
         if simulate(graph, regions, remat=names).peak_bytes <= budget_bytes:
@@ -179,11 +179,15 @@ def shed_remat(graph: ComputeGraph, regions: tuple[Region, ...], nodes: Sequence
     return kept
 
 
+def _shed_trials(graph: ComputeGraph) -> int:
+    """How many plans ``shed_remat`` simulates on ``graph``, at most."""
+    return max(8, SHED_SIMULATED_NODES // max(1, len(graph.nodes)))
+
+
 def _shed_seconds(graph: ComputeGraph) -> float:
     """What ``shed_remat`` may take on ``graph``: its simulations of the whole graph, each priced
     as ``ilp.keep_more``'s moves (``ilp_tuning.LARGE_SIMULATE_SECONDS_PER_NODE``)."""
-    nodes = max(1, len(graph.nodes))
-    return max(8, SHED_SIMULATED_NODES // nodes) * tuning.LARGE_SIMULATE_SECONDS_PER_NODE * nodes
+    return _shed_trials(graph) * tuning.LARGE_SIMULATE_SECONDS_PER_NODE * len(graph.nodes)
 
 
 def _beside(graph: ComputeGraph, nodes: Sequence[int], regions: tuple[Region, ...]) -> list[int]:
