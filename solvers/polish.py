@@ -16,7 +16,9 @@ costs strictly less than its start, and costs the same on every run that proves 
 
 On graphs of up to ``remat_plans.JOINT_PORTFOLIO_MAX_NODES`` nodes the search is of the joint
 model (``joint``): each cheap op's rematerialisation (``ckptplan.remat``) is a decision beside
-the regions, so one search weighs a region against dropping and recomputing an op's output.
+the regions, so one search weighs a region against dropping and recomputing an op's output
+(where most nodes are candidates, after a shorter search of regions alone:
+``remat_plans.ALONE_FIRST_DENSITY``).
 On larger ones it searches regions alone from the cheaper of the plain plan and the
 rematerialised graph's; a plan of the rematerialised graph is searched on that graph, and its
 regions then rematerialise on the model's graph what they need (``remat_plans.shed_remat``)."""

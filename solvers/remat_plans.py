@@ -28,6 +28,12 @@ SHED_SIMULATED_NODES = 20_000  # shed_remat simulates at most this many nodes' w
 # together (``polish.polish(joint=True)``) in place of the solve on the rematerialised graph and
 # the neighbourhood search (docs/tuning.md, "polish").
 JOINT_PORTFOLIO_MAX_NODES = tuning.FLAT_MAX_NODES
+# Where candidates are more than this share of the graph's nodes, the joint model's LP bound is
+# weak and its portfolio wanders: a portfolio of regions alone runs first, for at most
+# ALONE_FIRST_SHARE of the portfolio's time (less when it proves its plan sooner), and the joint
+# portfolio starts from its plan (docs/tuning.md, "polish").
+ALONE_FIRST_DENSITY = 0.5
+ALONE_FIRST_SHARE = 0.25
 
 
 def with_remat(
@@ -50,7 +56,9 @@ def with_remat(
     * for ``auto`` on graphs of at most ``JOINT_PORTFOLIO_MAX_NODES`` nodes that the whole
       CP-SAT model suits (``polish.polishes``): CP-SAT's portfolio of the joint model, which
       chooses regions and rematerialisation together, from the cheapest of these
-      (``polish.polish(joint=True)``), until the deadline;
+      (``polish.polish(joint=True)``), until the deadline; where more than
+      ``ALONE_FIRST_DENSITY`` of the nodes are candidates, from the plan of a portfolio of
+      regions alone run first from that start (``ALONE_FIRST_SHARE`` of the time at most);
     * for ``auto`` on larger graphs it suits, the portfolio of regions alone from the cheaper of
       the plain plan and the rematerialised graph's plan, on the graph it was solved on, until
       the deadline (``polish.polish``; the rematerialised graph's then sheds what it can);
@@ -147,6 +155,9 @@ def with_remat(
             found = polish(graph, budget_bytes, start, phase.before(_shed_seconds(graph)),
                            solved_on=rematerialised.graph, onto=onto)
         else:
+            if together and not start.remat and len(_remat.candidates(graph)) > ALONE_FIRST_DENSITY * len(graph.nodes):
+                alone_first = polish(graph, budget_bytes, start, phase.within(phase.left() * ALONE_FIRST_SHARE))
+                start = min(start, alone_first, key=lambda p: p.cost_seconds)
             found = polish(graph, budget_bytes, start, phase, joint=together)
         if (found.cost_seconds, found.status != "optimal") < (best.cost_seconds, best.status != "optimal"):
             best = found

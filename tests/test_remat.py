@@ -456,3 +456,30 @@ def test_with_the_joint_portfolio_the_rematerialised_graph_is_solved_only_when_t
         found = remat_plans.with_remat(graph, budget, run, SolveContext.limited(4), "auto")
         assert solved == (["plain"] if plain_fits else ["plain", "rematerialised"])
         assert simulate(graph, found.regions, remat=found.remat).peak_bytes == found.peak_bytes <= budget
+
+
+def test_where_most_nodes_are_candidates_a_portfolio_of_regions_alone_runs_first(conv_norm_silu, gpt) -> None:
+    """Under ``auto``'s joint portfolio, a graph whose nodes are mostly candidates (convolution,
+    norm and SiLU) gets a portfolio of regions alone first, and the joint one starts from the
+    cheaper of its plan and the start; a graph with few (the GPT example) gets the joint one
+    alone. What comes back fits and is the simulator's."""
+    for (_, _, graph), dense in ((conv_norm_silu, True), (gpt, False)):
+        assert (len(remat.candidates(graph)) > remat_plans.ALONE_FIRST_DENSITY * len(graph.nodes)) is dense
+        budget = int(0.8 * baseline_peak_bytes(graph))
+        calls = []
+
+        def spy(g, budget_bytes, best, ctx, calls=calls, **kwargs):
+            found = polish(g, budget_bytes, best, ctx, **kwargs)
+            calls.append((kwargs.get("joint", False), best, found))
+            return found
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(remat_plans, "polish", spy)
+            found = remat_plans.with_remat(graph, budget, lambda g, phase, budget=budget: solve_sqrt(g, budget),
+                                           SolveContext.limited(4), "auto")
+        assert [joint for joint, _, _ in calls] == ([False, True] if dense else [True])
+        if dense:
+            (_, start, alone), (_, joint_start, _) = calls
+            assert joint_start.cost_seconds == min(start.cost_seconds, alone.cost_seconds)
+        assert simulate(graph, found.regions, remat=found.remat).peak_bytes == found.peak_bytes <= budget
+        assert found.cost_seconds <= calls[0][1].cost_seconds
