@@ -1,13 +1,14 @@
 """How close does a short solve come to a long one?
 
-    python benchmarks/anytime.py [--short 10,30] [--long 60] [--budgets 0.5,0.3] [--models gpt,unet,...]
+    python benchmarks/anytime.py [--short 10,30] [--long 60] [--budgets 0.5,0.3] [--repeat 3] [--models gpt,unet,...]
 
 For each model (the examples, the models of ``benchmarks/compare.py``, and a 13-layer GPT-2 of
 about 600 nodes) ``auto`` solves each budget (a fraction of the no-checkpoint peak) on this
-machine's cores with each short time limit and with the long one. The table gives each solve's
-seconds and each short plan's predicted cost (recompute plus checkpoint seconds, what solvers
-minimise) over the long one's. A budget no plan fits is reported as such, with the least peak
-stated.
+machine's cores with each short time limit (``--repeat`` times: CP-SAT's portfolio is not reproducible, so
+one short solve is one draw) and with the long one. The table gives the solves' seconds (the
+slowest of the repeats) and each short plan's predicted cost (recompute plus checkpoint seconds,
+what solvers minimise) over the long one's. A budget no plan fits is reported as such, with the
+least peak stated.
 Writes ``benchmarks/results/anytime.md`` and ``anytime.json``.
 """
 
@@ -57,14 +58,24 @@ def _solve(graph: ckptplan.ComputeGraph, budget: float, limit: float) -> dict:
     }
 
 
-def _cell(short: dict, long: dict) -> tuple[str, float | None]:
-    """A short solve's table cell (its seconds, and its cost over the long solve's) and that ratio."""
+def _ratio(short: dict, long: dict) -> float | None:
+    """A short solve's cost over the long solve's (None unless both found a plan)."""
     if "cost_seconds" in short and "cost_seconds" in long:
-        ratio = short["cost_seconds"] / long["cost_seconds"] if long["cost_seconds"] else 1.0
-        return f"{short['seconds']:.1f} s, {ratio:.4f}", ratio
-    if short["status"] == long["status"] == "infeasible":
-        return f"{short['seconds']:.1f} s, infeasible (least {short['least_bytes']:,})", None
-    return f"{short['seconds']:.1f} s, {short['status']}", None
+        return short["cost_seconds"] / long["cost_seconds"] if long["cost_seconds"] else 1.0
+    return None
+
+
+def _cell(shorts: list[dict], long: dict) -> str:
+    """The table cell of the repeated short solves of one limit: the slowest one's seconds, and
+    each one's cost over the long solve's (else its status)."""
+    seconds = max(short["seconds"] for short in shorts)
+    if all(short["cost_ratio"] is not None for short in shorts):
+        return f"{seconds:.1f} s, " + " / ".join(f"{short['cost_ratio']:.4f}" for short in shorts)
+    if all(short["status"] == long["status"] == "infeasible" for short in shorts):
+        return f"{seconds:.1f} s, infeasible (least {min(short['least_bytes'] for short in shorts):,})"
+    return f"{seconds:.1f} s, " + " / ".join(
+        f"{short['cost_ratio']:.4f}" if short["cost_ratio"] is not None else short["status"] for short in shorts
+    )
 
 
 def main() -> None:
@@ -72,6 +83,7 @@ def main() -> None:
     parser.add_argument("--short", default="10,30", help="comma-separated time limits, in seconds")
     parser.add_argument("--long", type=float, default=60.0)
     parser.add_argument("--budgets", default="0.5,0.3")
+    parser.add_argument("--repeat", type=int, default=1, help="short solves per limit and budget")
     parser.add_argument("--models", default=None, help="comma-separated; default: all")
     options = parser.parse_args()
     shorts = [float(x) for x in options.short.split(",")]
@@ -87,10 +99,10 @@ def main() -> None:
             record = {"model": name, "nodes": len(graph.nodes), "budget": budget, "long": long, "short": {}}
             cells = []
             for limit in shorts:
-                short = _solve(graph, budget, limit)
-                cell, ratio = _cell(short, long)
-                record["short"][f"{limit:g}"] = {**short, "cost_ratio": ratio}
-                cells.append(cell)
+                runs = [_solve(graph, budget, limit) for _ in range(options.repeat)]
+                runs = [{**short, "cost_ratio": _ratio(short, long)} for short in runs]
+                record["short"][f"{limit:g}"] = runs
+                cells.append(_cell(runs, long))
             long_cell = (f"{long['seconds']:.1f} s, {long['status']}" if long["status"] != "infeasible"
                          else f"{long['seconds']:.1f} s, infeasible (least {long['least_bytes']:,})")
             records.append(record)
@@ -98,7 +110,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     summary = []
     for limit in shorts:
-        runs = [r["short"][f"{limit:g}"] for r in records]
+        runs = [run for r in records for run in r["short"][f"{limit:g}"]]
         ratios = [run["cost_ratio"] for run in runs if run["cost_ratio"] is not None]
         within = sum(ratio <= 1.01 for ratio in ratios)
         summary.append(f"{limit:g} s: worst cost ratio {max(ratios, default=float('nan')):.4f}, {within} of "
@@ -106,9 +118,10 @@ def main() -> None:
                        f"{max((run['seconds'] for run in runs), default=float('nan')):.1f} s.")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     command = (f"`python benchmarks/anytime.py --short {options.short} --long {options.long:g} --budgets "
-               f"{options.budgets}` on {platform.machine()}, {cores} cores, torch {torch.__version__}. `auto` at each "
-               "budget (a fraction of the no-checkpoint peak) with each time limit. Each short cell: the solve's "
-               "seconds, and its plan's predicted cost (recompute + checkpoint seconds) over the long plan's.")
+               f"{options.budgets} --repeat {options.repeat}` on {platform.machine()}, {cores} cores, torch "
+               f"{torch.__version__}. `auto` at each budget (a fraction of the no-checkpoint peak) with each time "
+               f"limit, the short ones {options.repeat} time(s) each. Each short cell: the slowest solve's seconds, "
+               "and each plan's predicted cost (recompute + checkpoint seconds) over the long plan's.")
     text = "\n".join([
         "# Short solves against long ones",
         "",
