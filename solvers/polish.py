@@ -19,9 +19,11 @@ model (``joint``): each cheap op's rematerialisation (``ckptplan.remat``) is a d
 the regions, so one search weighs a region against dropping and recomputing an op's output
 (where most nodes are candidates, after a shorter search of regions alone:
 ``remat_plans.ALONE_FIRST_DENSITY``).
-On larger ones it searches regions alone from the cheaper of the plain plan and the
-rematerialised graph's; a plan of the rematerialised graph is searched on that graph, and its
-regions then rematerialise on the model's graph what they need (``remat_plans.shed_remat``)."""
+On larger ones the joint search starts from the cheaper of the plain plan and the rematerialised
+graph's (``remat_plans.with_remat``); where that start has regions too long for a hint
+(``hints``), a search of regions alone comes first, on the graph the start was solved on: a plan
+of the rematerialised graph is searched on that graph, and its regions then rematerialise on the
+model's graph what they need (``remat_plans.shed_remat``)."""
 
 from __future__ import annotations
 
@@ -61,6 +63,14 @@ def windows(graph: ComputeGraph) -> list[int]:
     (docs/tuning.md, "polish")."""
     full = region_window(graph, None)
     return [window for window in WINDOWS if window < full] + [full]
+
+
+def hints(graph: ComputeGraph, plan: Solution) -> bool:
+    """Whether the first stage of the search on ``graph`` takes ``plan``'s regions as CP-SAT's
+    hint: one level, none longer than the first of ``windows``. From a plan it cannot hint, each
+    round of the search starts from no plan (``ilp_lazy.search_lazily``)."""
+    first = windows(graph)[0]
+    return all(not region.children and region.end - region.start <= first for region in plan.regions)
 
 
 def polish(

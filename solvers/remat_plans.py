@@ -16,7 +16,7 @@ from ckptplan.solvers import remat_ilp
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.least import least_of
 from ckptplan.solvers.polish import SHARE as POLISH_SHARE
-from ckptplan.solvers.polish import polish, polishes
+from ckptplan.solvers.polish import hints, polish, polishes
 from ckptplan.solvers.solution import Solution, solution
 
 log = logging.getLogger(__name__)
@@ -24,10 +24,16 @@ log = logging.getLogger(__name__)
 PLAIN_SHARE = 0.4  # with the joint search: the plain solve's part, to 1 - PLAIN_SHARE - JOINT_SHARE for the other solve
 JOINT_SHARE = 0.2  # of with_remat's time limit: the joint search (docs/tuning.md, "remat_ilp")
 SHED_SIMULATED_NODES = 20_000  # shed_remat simulates at most this many nodes' worth of plans (and 8 plans)
-# Graphs up to this many nodes get one portfolio search of regions and rematerialisation
-# together (``polish.polish(joint=True)``) in place of the solve on the rematerialised graph and
-# the neighbourhood search (docs/tuning.md, "polish").
+# Graphs up to this many nodes get the portfolio search of regions and rematerialisation together
+# (``polish.polish(joint=True)``) from the plain solve's plan, in place of the solve on the
+# rematerialised graph and the neighbourhood search; larger ones get it from the cheaper of the
+# plain plan and the rematerialised graph's (docs/tuning.md, "polish").
 JOINT_PORTFOLIO_MAX_NODES = tuning.FLAT_MAX_NODES
+# Above JOINT_PORTFOLIO_MAX_NODES, from a start the joint search cannot take as a hint
+# (``polish.hints``), a portfolio of regions alone on the graph the start was solved on runs first,
+# for this share of the portfolios' time, and the joint one starts from its plan (docs/tuning.md,
+# "polish").
+UNHINTED_ALONE_SHARE = 0.75
 # Where candidates are more than this share of the graph's nodes, the joint model's LP bound is
 # weak and its portfolio wanders: a portfolio of regions alone runs first, for at most
 # ALONE_FIRST_SHARE of the portfolio's time (less when it proves its plan sooner), and the joint
@@ -59,9 +65,11 @@ def with_remat(
       (``polish.polish(joint=True)``), until the deadline; where more than
       ``ALONE_FIRST_DENSITY`` of the nodes are candidates, from the plan of a portfolio of
       regions alone run first from that start (``ALONE_FIRST_SHARE`` of the time at most);
-    * for ``auto`` on larger graphs it suits, the portfolio of regions alone from the cheaper of
-      the plain plan and the rematerialised graph's plan, on the graph it was solved on, until
-      the deadline (``polish.polish``; the rematerialised graph's then sheds what it can);
+    * for ``auto`` on larger graphs it suits, the joint portfolio from the cheaper of the plain
+      plan and the rematerialised graph's plan, until the deadline; from a start whose regions
+      it cannot hint (``polish.hints``), from the plan of a portfolio of regions alone run first
+      on the graph that start was solved on (``UNHINTED_ALONE_SHARE`` of the time; a plan of
+      the rematerialised graph's then sheds what it can);
     * otherwise, for ``auto`` and ``ilp`` when the graph is small enough and the time allows
       (``remat_ilp.affordable``), the joint model's neighbourhood search from the cheapest of
       these (``remat_ilp.search_with_remat``).
@@ -144,21 +152,18 @@ def with_remat(
     if not plans:
         plans.append(least_of(errors, budget_bytes, "No plan fits"))
     best = min(plans, key=lambda p: (p.cost_seconds, p.peak_bytes))
-    # One portfolio search, from the cheapest plan: of the joint model where it suits the graph,
-    # else of regions alone on the graph the plan was solved on (docs/tuning.md, "polish").
+    # The portfolio search of the joint model where there are candidates, from the cheapest plan
+    # (docs/tuning.md, "polish"); a shorter one of regions alone first where that helps it.
     start = best if together else min((p for p in (plain, from_rematerialised) if p is not None),
                                       key=lambda p: p.cost_seconds, default=None)
     if polishing and start is not None:
         phase = ctx.before(reserve)
-        if start is from_rematerialised and not together:
-            # ``onto`` sheds rematerialisation after the search: its simulations come out of the search's time
-            found = polish(graph, budget_bytes, start, phase.before(_shed_seconds(graph)),
-                           solved_on=rematerialised.graph, onto=onto)
-        else:
-            if together and not start.remat and len(_remat.candidates(graph)) > ALONE_FIRST_DENSITY * len(graph.nodes):
-                alone_first = polish(graph, budget_bytes, start, phase.within(phase.left() * ALONE_FIRST_SHARE))
-                start = min(start, alone_first, key=lambda p: p.cost_seconds)
-            found = polish(graph, budget_bytes, start, phase, joint=together)
+        if together and not start.remat and len(_remat.candidates(graph)) > ALONE_FIRST_DENSITY * len(graph.nodes):
+            start = _alone_first(graph, budget_bytes, start, phase, ALONE_FIRST_SHARE)
+        elif order and not together and not hints(graph, start):
+            solved_on = rematerialised.graph if start is from_rematerialised else None
+            start = _alone_first(graph, budget_bytes, start, phase, UNHINTED_ALONE_SHARE, solved_on=solved_on, onto=onto)
+        found = polish(graph, budget_bytes, start, phase, joint=bool(order))
         if (found.cost_seconds, found.status != "optimal") < (best.cost_seconds, best.status != "optimal"):
             best = found
     if joint and best.cost_seconds > 0 and not ctx.cancelled:
@@ -169,6 +174,28 @@ def with_remat(
             best = found.but(note=chose + found.note)
             ctx.report(cost_seconds=best.cost_seconds, peak_bytes=best.peak_bytes)
     return best
+
+
+def _alone_first(
+    graph: ComputeGraph,
+    budget_bytes: int,
+    start: Solution,
+    ctx: SolveContext,
+    share: float,
+    *,
+    solved_on: ComputeGraph | None = None,
+    onto: Callable[[Solution], Solution] | None = None,
+) -> Solution:
+    """The cheaper of ``start`` and the plan of a portfolio of regions alone from it, for
+    ``share`` of ``ctx``'s time left (``polish.polish``): on ``solved_on``, the rematerialised
+    graph ``start`` was solved on, whose plans ``onto`` makes ``graph``'s, less the time that
+    shedding takes; else on ``graph``."""
+    phase = ctx.within(ctx.left() * share)
+    if solved_on is None:
+        found = polish(graph, budget_bytes, start, phase)
+    else:  # ``onto`` sheds rematerialisation after the search: its simulations come out of the search's time
+        found = polish(graph, budget_bytes, start, phase.before(_shed_seconds(graph)), solved_on=solved_on, onto=onto)
+    return found if found.cost_seconds < start.cost_seconds else start
 
 
 def shed_remat(graph: ComputeGraph, regions: tuple[Region, ...], nodes: Sequence[int], budget_bytes: int) -> list[int]:

@@ -483,3 +483,33 @@ def test_where_most_nodes_are_candidates_a_portfolio_of_regions_alone_runs_first
             assert joint_start.cost_seconds == min(start.cost_seconds, alone.cost_seconds)
         assert simulate(graph, found.regions, remat=found.remat).peak_bytes == found.peak_bytes <= budget
         assert found.cost_seconds <= calls[0][1].cost_seconds
+
+
+@pytest.mark.parametrize("hinted", [True, False])
+def test_above_the_joint_portfolio_s_size_a_start_it_cannot_hint_gets_regions_alone_first(gpt, hinted) -> None:
+    """On graphs above ``JOINT_PORTFOLIO_MAX_NODES`` (lowered here) the joint portfolio runs from
+    the cheaper of the plain and rematerialised-graph plans; from a start it cannot take as a
+    hint (``polish.hints``, forced here), after a portfolio of regions alone, on the graph that
+    start was solved on, whose plan it starts from where cheaper. What comes back fits."""
+    _, _, graph = gpt
+    budget = int(0.8 * baseline_peak_bytes(graph))
+    calls = []
+
+    def spy(g, budget_bytes, best, ctx, **kwargs):
+        found = polish(g, budget_bytes, best, ctx, **kwargs)
+        calls.append((kwargs.get("joint", False), kwargs.get("solved_on") is not None, best, found))
+        return found
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(remat_plans, "JOINT_PORTFOLIO_MAX_NODES", len(graph.nodes) - 1)
+        patch.setattr(remat_plans, "polish", spy)
+        patch.setattr(remat_plans, "hints", lambda g, plan: hinted)
+        found = remat_plans.with_remat(graph, budget, lambda g, phase: solve_sqrt(g, budget),
+                                       SolveContext.limited(4), "auto")
+    assert [joint for joint, *_ in calls] == ([True] if hinted else [False, True])
+    if not hinted:
+        (_, on_rematerialised, start, alone), (_, _, joint_start, _) = calls
+        assert joint_start.cost_seconds == min(start.cost_seconds, alone.cost_seconds)
+        assert on_rematerialised == bool(start.remat)  # the rematerialised graph's plan is searched there
+    assert simulate(graph, found.regions, remat=found.remat).peak_bytes == found.peak_bytes <= budget
+    assert found.cost_seconds <= calls[0][2].cost_seconds
