@@ -16,6 +16,7 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.joint import JointGraph
 from ckptplan.plan import BudgetInfo, Plan, SolverInfo
 from ckptplan.simulation import baseline_peak_bytes, simulate
+from ckptplan.solvers import ilp_tuning as tuning
 from ckptplan.solvers.context import Progress, SolveContext
 from ckptplan.solvers.edges import at_unit_edges
 from ckptplan.solvers.least import least_plan
@@ -26,6 +27,13 @@ from ckptplan.solvers.registry import default_seconds, get_solver
 from ckptplan.solvers.remat_plans import with_remat
 from ckptplan.solvers.solution import Solution, run_kernel
 from ckptplan.units import describe_bytes, parse_budget
+
+# The phases end this long before the limit's end: CP-SAT returns up to about a tenth of a second
+# after its wall-clock limit on models of a few hundred nodes, and the plan found is simulated a
+# few times after the search (``FINISH_SIMULATIONS`` of the whole graph, each priced as
+# ``ilp_tuning.LARGE_SIMULATE_SECONDS_PER_NODE``) (docs/tuning.md, "Default time limits").
+STOP_SECONDS = 0.1
+FINISH_SIMULATIONS = 4
 
 
 def solve(
@@ -54,6 +62,7 @@ def solve(
     try:
         _refuse_below_state(graph, budget_bytes, solver)
         ctx = SolveContext.limited(time_limit, default=default_seconds(solver, len(graph.nodes)), on_progress=progress)
+        ctx = ctx.before(finish_seconds(graph))
 
         def run(g: ComputeGraph, phase: SolveContext) -> Solution:
             return at_unit_edges(g, run_kernel(kernel, g, budget_bytes, phase), budget_bytes)
@@ -77,6 +86,12 @@ def solve(
     if ctx.cancelled and "Ctrl-C" not in found.note:
         found = found.but(note=f"{found.note}; stopped by Ctrl-C".lstrip("; "))
     return plan_of(graph, found.but(report=report), requested, seconds=time.perf_counter() - started)
+
+
+def finish_seconds(graph: ComputeGraph) -> float:
+    """What a solve of ``graph`` keeps after its phases' deadline: CP-SAT's stop and the
+    simulations of the plan found (``STOP_SECONDS``, ``FINISH_SIMULATIONS``)."""
+    return STOP_SECONDS + FINISH_SIMULATIONS * tuning.LARGE_SIMULATE_SECONDS_PER_NODE * len(graph.nodes)
 
 
 def plan_of(graph: ComputeGraph, found: Solution, budget: BudgetInfo, *, seconds: float = 0.0) -> Plan:
