@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 from ckptplan import remat as _remat
 from ckptplan.graph import ComputeGraph
+from ckptplan.region import Region
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_model import region_window
 from ckptplan.solvers.registry import LARGE_NODES
@@ -69,8 +70,12 @@ def hints(graph: ComputeGraph, plan: Solution) -> bool:
     """Whether the first stage of the search on ``graph`` takes ``plan``'s regions as CP-SAT's
     hint: one level, none longer than the first of ``windows``. From a plan it cannot hint, each
     round of the search starts from no plan (``ilp_lazy.search_lazily``)."""
-    first = windows(graph)[0]
-    return all(not region.children and region.end - region.start <= first for region in plan.regions)
+    return all(not region.children for region in plan.regions) and _within(plan.regions, windows(graph)[0])
+
+
+def _within(regions: tuple[Region, ...], window: int) -> bool:
+    """Whether no region of ``regions`` spans more than ``window`` nodes."""
+    return all(region.end - region.start <= window for region in regions)
 
 
 def polish(
@@ -132,7 +137,7 @@ def _polish(
         # Each stage's bound holds for its window only (announce=False: none is reported as the solve's).
         # The joint search from a plan the model takes as a hint states more rows at a time:
         # each round that ends on a broken row pays the presolve again (docs/tuning.md, "polish").
-        hinted = regions is not None and all(region.end - region.start <= window for region in regions)
+        hinted = regions is not None and _within(regions, window)
         rows = JOINT_ROWS if joint and hinted else None
         found, regions = proof_phase(searched, budget_bytes, regions, phase, seconds=ctx.left(), seed=0,
                                      window=window, bound=0.0, announce=False, remat=candidates, start_remat=remat,

@@ -195,6 +195,8 @@ def _alone_first(
         found = polish(graph, budget_bytes, start, phase)
     else:  # ``onto`` sheds rematerialisation after the search: its simulations come out of the search's time
         found = polish(graph, budget_bytes, start, phase.before(_shed_seconds(graph)), solved_on=solved_on, onto=onto)
+    # Not ``polish``'s copy of ``start`` marked proven: that proof is among plans without
+    # rematerialisation, and the joint search after it would return it as its own.
     return found if found.cost_seconds < start.cost_seconds else start
 
 

@@ -458,6 +458,18 @@ def test_with_the_joint_portfolio_the_rematerialised_graph_is_solved_only_when_t
         assert simulate(graph, found.regions, remat=found.remat).peak_bytes == found.peak_bytes <= budget
 
 
+def _recording_polish(calls: list) -> object:
+    """``polish``, appending ``(joint, on another graph, start, plan returned)`` to ``calls`` for
+    each search ``with_remat`` runs."""
+
+    def recording(graph, budget_bytes, best, ctx, **kwargs):
+        found = polish(graph, budget_bytes, best, ctx, **kwargs)
+        calls.append((kwargs.get("joint", False), kwargs.get("solved_on") is not None, best, found))
+        return found
+
+    return recording
+
+
 def test_where_most_nodes_are_candidates_a_portfolio_of_regions_alone_runs_first(conv_norm_silu, gpt) -> None:
     """Under ``auto``'s joint portfolio, a graph whose nodes are mostly candidates (convolution,
     norm and SiLU) gets a portfolio of regions alone first, and the joint one starts from the
@@ -467,22 +479,16 @@ def test_where_most_nodes_are_candidates_a_portfolio_of_regions_alone_runs_first
         assert (len(remat.candidates(graph)) > remat_plans.ALONE_FIRST_DENSITY * len(graph.nodes)) is dense
         budget = int(0.8 * baseline_peak_bytes(graph))
         calls = []
-
-        def spy(g, budget_bytes, best, ctx, calls=calls, **kwargs):
-            found = polish(g, budget_bytes, best, ctx, **kwargs)
-            calls.append((kwargs.get("joint", False), best, found))
-            return found
-
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(remat_plans, "polish", spy)
+            patch.setattr(remat_plans, "polish", _recording_polish(calls))
             found = remat_plans.with_remat(graph, budget, lambda g, phase, budget=budget: solve_sqrt(g, budget),
                                            SolveContext.limited(4), "auto")
-        assert [joint for joint, _, _ in calls] == ([False, True] if dense else [True])
+        assert [joint for joint, *_ in calls] == ([False, True] if dense else [True])
         if dense:
-            (_, start, alone), (_, joint_start, _) = calls
+            (_, _, start, alone), (_, _, joint_start, _) = calls
             assert joint_start.cost_seconds == min(start.cost_seconds, alone.cost_seconds)
         assert simulate(graph, found.regions, remat=found.remat).peak_bytes == found.peak_bytes <= budget
-        assert found.cost_seconds <= calls[0][1].cost_seconds
+        assert found.cost_seconds <= calls[0][2].cost_seconds
 
 
 @pytest.mark.parametrize("hinted", [True, False])
@@ -494,15 +500,9 @@ def test_above_the_joint_portfolio_s_size_a_start_it_cannot_hint_gets_regions_al
     _, _, graph = gpt
     budget = int(0.8 * baseline_peak_bytes(graph))
     calls = []
-
-    def spy(g, budget_bytes, best, ctx, **kwargs):
-        found = polish(g, budget_bytes, best, ctx, **kwargs)
-        calls.append((kwargs.get("joint", False), kwargs.get("solved_on") is not None, best, found))
-        return found
-
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(remat_plans, "JOINT_PORTFOLIO_MAX_NODES", len(graph.nodes) - 1)
-        patch.setattr(remat_plans, "polish", spy)
+        patch.setattr(remat_plans, "polish", _recording_polish(calls))
         patch.setattr(remat_plans, "hints", lambda g, plan: hinted)
         found = remat_plans.with_remat(graph, budget, lambda g, phase: solve_sqrt(g, budget),
                                        SolveContext.limited(4), "auto")
