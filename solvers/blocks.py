@@ -90,14 +90,6 @@ SOLVE_SECONDS_PER_NODE = 0.0045
 DP_SECONDS_PER_NODE = 0.0013
 QUICK_SECONDS_PER_NODE = 0.003
 MIN_BLOCK_NODES = 4  # smaller blocks leave nothing to decide inside them: no decomposition
-# ``aim``: each solve of a block graph at the level the choice asks of its class is priced at this
-# many seconds per pair of the block graph's nodes, for the count of solves, and given
-# AIM_LIMIT_FACTOR times that as its limit (the flat ilp's lazy search alone, which proves these
-# blocks optimal within it and returns); targets nearer than 1/AIM_RESOLUTION of the block graph's
-# range of peaks to one solved are not solved again (docs/tuning.md, "blocks").
-AIM_SECONDS_PER_PAIR = 3.5e-4
-AIM_LIMIT_FACTOR = 1.5
-AIM_RESOLUTION = 50
 
 
 @dataclass(frozen=True)
@@ -214,7 +206,8 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
     solves with the same limits. Below ``MIN_SOLVE_SECONDS`` per solve there are no flat solves:
     each budget's policy is the ilp's starting plan instead (``ilp_flat.starting_plan``: those warm
     plans with keeps added or shed by ``solvers.refine``), for as many ballasts and budgets, in
-    order, as ``seconds`` pays for. ``seconds`` is ``ctx.limit``; the solves end by its deadline."""
+    order, as ``seconds`` pays for. ``seconds`` is ``ctx.limit``; the policies for budgets, solved
+    or not, stop at its deadline (their count is priced; the deadline is the backstop)."""
     seconds = ctx.limit
     length = block.end - block.start
     ranked = ranked_keep_policies(graph, block)
@@ -254,6 +247,8 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
         frontier.add(top, solution(sub, (), "none", status="optimal"))
         resolution = max(1, (top - least) // FRONTIER_RESOLUTION)
         for k in range(POLICY_BUDGETS + (FRONTIER_SOLVES if share == BALLAST_SHARES[-1] else 0)):
+            if ctx.over():  # the count is priced, not timed (docs/tuning.md, "blocks")
+                break
             if quick:
                 if quick_left <= 0:
                     break
@@ -502,75 +497,6 @@ def choose(dec: Decomposition, windows: Windows, budget_bytes: int) -> list[int]
         choices, p = choices
         picked.append(p)
     return picked[::-1]
-
-
-def aim(
-    graph: ComputeGraph, dec: Decomposition, windows: Windows, budget_bytes: int, ctx: SolveContext
-) -> Decomposition:
-    """``dec`` with policies made for ``budget_bytes``. The choice (``choose``) asks each class's
-    blocks to free, on average, some bytes; the menu made for every budget seldom has a policy
-    freeing about that much, so the choice mixes dear policies freeing more with cheap ones
-    freeing less. Each round solves one class's probe block as a graph with the largest ballast
-    (``block_graph``, where the peak falls by exactly what the block frees) by the flat ilp at
-    that level, measures the plan found as a policy and chooses again; a level already solved
-    gives way to the nearest unsolved one, in steps of 2/AIM_RESOLUTION of the block graph's
-    range of peaks, alternately below and above. Classes take turns, most blocks first. The
-    number of solves comes from ``ctx.limit`` (``AIM_SECONDS_PER_PAIR``); they end by its
-    deadline."""
-    classes = sorted(range(len(dec.probes)), key=lambda c: -dec.class_of.count(c))
-    subs, tried = {}, {c: [] for c in classes}
-    left = ctx.limit
-    while not ctx.over() and not ctx.cancelled:
-        picked = choose(dec, windows, budget_bytes)
-        if picked is None:
-            break
-        solved = False
-        for c in classes:
-            probe = dec.blocks[dec.probes[c]]
-            length = probe.end - probe.start
-            price = AIM_SECONDS_PER_PAIR * (length + 1) ** 2
-            if price > left:
-                continue
-            if c not in subs:
-                activation = sum(graph.saved_bytes(i) for i in range(probe.start, probe.end))
-                alone = baseline_peak_bytes(block_graph(graph, probe))
-                subs[c] = block_graph(graph, probe, max(int(BALLAST_SHARES[-1] * activation), alone))
-            sub = subs[c]
-            menu = [solution(sub, e.regions, "menu") for e in dec.policies[c]]
-            top, least = baseline_peak_bytes(sub), min(p.peak_bytes for p in menu)
-            mine = [dec.policies[c][p].freed_bytes for p, k in zip(picked, dec.class_of) if k == c]
-            level = top - sum(mine) // len(mine)
-            step = max(1, (top - least) // AIM_RESOLUTION)
-            levels = (level + sign * k * 2 * step for k in range(AIM_RESOLUTION) for sign in ((1,) if k == 0 else (-1, 1)))
-            target = next((x for x in levels if least <= x < top and all(abs(x - t) >= step for t in tried[c])), None)
-            if target is None:
-                continue
-            tried[c].append(target)
-            left -= price
-            solved = True
-            plan = solve_flat(sub, target, ctx.within(AIM_LIMIT_FACTOR * price).unscored(), announce=False,
-                              lazy=False, local=False, warm=[p for p in menu if p.peak_bytes <= target])
-            policy = tuple(Region(r.start, min(r.end, length), keep=r.keep) for r in plan.regions if r.start < length)
-            placed = shift(graph, policy, probe, probe)
-            if placed is None or any(r.children for r in policy) or policy in (e.regions for e in dec.policies[c]):
-                continue
-            dec = _with_policy(graph, dec, c, measure(graph, probe, placed, windows))
-        if not solved:
-            break
-    return dec
-
-
-def _with_policy(graph: ComputeGraph, dec: Decomposition, c: int, effect: PolicyEffect) -> Decomposition:
-    """``dec`` with ``effect`` (measured on class ``c``'s probe) added to that class's policies."""
-    probe = dec.blocks[dec.probes[c]]
-    return replace(
-        dec,
-        policies=tuple((*p, effect) if k == c else p for k, p in enumerate(dec.policies)),
-        placements=tuple(
-            (*placed, shift(graph, effect.regions, probe, block)) if k == c else placed
-            for placed, block, k in zip(dec.placements, dec.blocks, dec.class_of)
-        ),
-    )
 
 
 def assemble(dec: Decomposition, picked: Sequence[int]) -> tuple[Region, ...]:

@@ -67,11 +67,8 @@ def solve_ilp(
     cheapest warm plan, with the rest of the limit (``solve_flat(proof_only=True)``): from a
     block-by-block start it proves in seconds what the one-worker search would spend its time
     approaching. Otherwise graphs above ``tuning.FLAT_MAX_NODES`` nodes return the block-by-block plan
-    with more outputs kept where they fit (``keep_more``); there the menu of block policies gets
-    ``tuning.POLICY_SHARE`` of the limit (``tuning.LARGE_POLICY_SHARE`` when ``warm`` plans are
-    given and the limit is long), ``keep_more`` ``tuning.LARGE_REFINE_SHARE``, and policies made for
-    the budget (``blocks.aim``) the rest, when ``ctx`` is scored (the graph's costs are the solve's).
-    Smaller ones, or ones without repeated
+    with more outputs kept where they fit (``keep_more``; its policies get ``tuning.LARGE_POLICY_SHARE``
+    of the limit when ``warm`` plans are given), and smaller ones, or ones without repeated
     blocks, are searched whole (``solve_flat``) with the block-by-block plan among the warm starts.
     Ctrl-C at any point keeps the cheapest plan made so far (status ``timeout``; ``sqrt``'s when
     none was made yet): during a CP-SAT search that search ends with its best plan, and before
@@ -109,12 +106,8 @@ def _solve_ilp(
     large, provable = len(graph.nodes) > tuning.FLAT_MAX_NODES, proof_follows(graph, limit)
     if large and not provable:
         longer = warm is not None and limit >= tuning.LARGE_POLICY_MIN_SECONDS
-        policy_share = tuning.LARGE_POLICY_SHARE if longer else tuning.POLICY_SHARE
-        # Policies made for the budget lower the cost of this graph, which is the solve's own only
-        # where ``ctx`` is scored: the rematerialised graph's leaves out the rematerialisation
-        # (docs/tuning.md, "blocks").
-        aim_share = 1 - policy_share - tuning.LARGE_REFINE_SHARE if ctx.scored else 0.0
-        plan = solve_hierarchical(graph, budget_bytes, ctx, warm=warm, policy_share=policy_share, aim_share=aim_share)
+        plan = solve_hierarchical(graph, budget_bytes, ctx, warm=warm,
+                                  policy_share=tuning.LARGE_POLICY_SHARE if longer else tuning.POLICY_SHARE)
         if plan is not None:
             made.append(plan)
             return keep_more(graph, plan, budget_bytes, ctx)
@@ -180,19 +173,15 @@ def solve_hierarchical(
     *,
     warm: Sequence[Solution] | None = None,
     policy_share: float = tuning.POLICY_SHARE,
-    aim_share: float = 0.0,
 ) -> Solution | None:
     """``solvers.blocks`` on ``graph``; None when it has no repeated blocks. ``policy_share`` of
-    ``ctx.limit`` goes to the menu of block policies, ``aim_share`` to policies made for
-    ``budget_bytes`` (``blocks.aim``); ``warm`` plans (default: ``sqrt``'s, made
+    ``ctx.limit`` goes to finding block policies; ``warm`` plans (default: ``sqrt``'s, made
     after them) are returned instead when cheaper, or when the decomposition finds no plan."""
     ctx.report("ilp: block by block")
     found = blocks.decompose(graph, ctx.within(ctx.limit * policy_share).unscored())
     if found is None:
         return None
     dec, windows = found
-    if aim_share > 0 and not ctx.cancelled:
-        dec = blocks.aim(graph, dec, windows, budget_bytes, ctx.within(ctx.limit * aim_share).unscored())
     warm = list(warm) if warm is not None else warm_plans(graph, budget_bytes, ctx, names=("sqrt",))
     result = blocks.solve_blocks(graph, budget_bytes, dec, windows)
     note = f"{HIERARCHICAL}: {dec.describe()}"

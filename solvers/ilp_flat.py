@@ -175,7 +175,6 @@ def solve_flat(
     announce: bool = True,
     lazy: bool = True,
     proof_only: bool = False,
-    local: bool = True,
 ) -> Solution:
     """``solve_ilp`` on the whole graph as one CP-SAT model.
 
@@ -191,9 +190,7 @@ def solve_flat(
     (default: those of ``WARM_SOLVERS``), returned instead when cheaper. ``lazy=False``: the
     reproducible search states every memory row up front (``solvers.blocks`` on small blocks
     and short clocks, where restarting after each broken row costs more than it saves); so does
-    it when no warm plan is one-level and fits. ``local=False``: no ``improve_locally``; the lazy
-    search has the whole clock (small graphs, whose optimum it proves sooner than local search
-    steps approach it). ``proof_only``: no reproducible search, the proof
+    it when no warm plan is one-level and fits. ``proof_only``: no reproducible search, the proof
     phase starts from the refined warm plans at once and runs until ``ctx``'s deadline. When the
     reproducible search's time cannot pay for building the model twice
     (``tuning.BUILD_SECONDS_PER_PAIR``), there is no search: the refined warm plan comes back, or,
@@ -232,7 +229,7 @@ def solve_flat(
         ctx.report("ilp: search")
         found, regions = _search(graph, budget_bytes, start, search.before(reserve), clock=clock,
                                  workers=workers, seed=seed, window=window, announce=announce, lazy=lazy,
-                                 model_seconds=build_seconds, local=local)
+                                 model_seconds=build_seconds)
         status, bound = found.status, found.bound
         how = f"search: {found.describe()}"
         left = ctx.left()
@@ -343,19 +340,16 @@ def _search(
     announce: bool,
     lazy: bool,
     model_seconds: float,
-    local: bool = True,
 ) -> tuple[LazyResult, tuple[Region, ...] | None]:
     """``solve_flat``'s reproducible search from ``start`` until ``ctx``'s deadline or ``clock``
     seconds of CP-SAT's deterministic clock: the
-    lazy search with ``tuning.GLOBAL_SHARE`` of both, then ``improve_locally`` if more than
-    ``model_seconds`` (what building its model, the whole one, should take) is left; with
-    ``local=False``, the lazy search alone with all of both. Returns the lazy search's result
+    lazy search with half of both, then ``improve_locally`` if more than ``model_seconds`` (what
+    building its model, the whole one, should take) is left. Returns the lazy search's result
     and the plan after both (None when neither found one)."""
-    share = tuning.GLOBAL_SHARE if local else 1.0
     found = search_lazily(
-        graph, budget_bytes, start, ctx, seconds=max(0.1, ctx.left()) * share,
+        graph, budget_bytes, start, ctx, seconds=max(0.1, ctx.left()) * tuning.GLOBAL_SHARE,
         workers=workers,
-        deterministic_seconds=clock * share, seed=seed, window=window, announce=announce,
+        deterministic_seconds=clock * tuning.GLOBAL_SHARE, seed=seed, window=window, announce=announce,
         # Without a plan to start from, the whole model: its presolve proves an infeasible budget
         # at once, where the relaxation must first gain rows (docs/tuning.md, "ilp").
         deferred_phases=DEFERRED_PHASES if lazy and start is not None else frozenset(),
@@ -364,7 +358,7 @@ def _search(
     if regions is not None and regions != start:
         regions = simplify(graph, regions, budget_bytes)
     # With less time left than its model takes to build, the local search would not free one window.
-    if local and found.status == "FEASIBLE" and not ctx.cancelled and ctx.left() > model_seconds:
+    if found.status == "FEASIBLE" and not ctx.cancelled and ctx.left() > model_seconds:
         model, v = build_model(graph, budget_bytes, window=window)
         model.Minimize(v.cost)
         regions = improve_locally(

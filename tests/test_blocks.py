@@ -142,34 +142,17 @@ def test_menus_hold_attention_recomputed_alone_whatever_the_limit(gpt) -> None:
         assert plan.cost_seconds <= alone.cost_seconds * (1 + 1e-9)
 
 
-def _choice_cost(dec: blocks.Decomposition, windows: blocks.Windows, budget: int) -> float:
-    """What the choice's plan costs under the additive model."""
-    picked = blocks.choose(dec, windows, budget)
-    assert picked is not None
-    return sum(dec.policies[c][p].cost_seconds for c, p in zip(dec.class_of, picked))
-
-
-def test_aim_makes_policies_for_the_budget_and_the_choice_cheaper(gpt) -> None:
-    """A menu made in 0.3 s (refined starting plans) has no policy freeing about what the choice
-    at 50% asks of each block, so it mixes dear and cheap ones; ``aim`` solves the probe block at
-    that level. Measured here: the choice's cost falls from 3.96e-6 s to 3.03e-6, and the plan
-    still fits under the simulator. Solves are counted from the limit: none below one's price."""
+def test_block_policies_for_budgets_stop_at_the_deadline(gpt) -> None:
+    """The menu's count of policies made for budgets is priced from the limit; past the deadline
+    no more are made (a loaded or slower machine: the quick ones took 1.35-1.6 times their price
+    on 561- and 1,053-node GPT-2s), and the policies made without a search remain."""
     _, _, graph = gpt
-    dec, windows = blocks.decompose(graph, SolveContext.limited(0.3))
-    budget = parse_budget(0.5, baseline_peak_bytes(graph))
-    aimed = blocks.aim(graph, dec, windows, budget, SolveContext.limited(2.0))
-    assert all(new[: len(old)] == old for new, old in zip(aimed.policies, dec.policies, strict=True))
-    assert sum(map(len, aimed.policies)) > sum(map(len, dec.policies))
-    assert _choice_cost(aimed, windows, budget) < 0.9 * _choice_cost(dec, windows, budget)
-    found = blocks.solve_blocks(graph, budget, aimed, windows)
-    assert found is not None
-    regions, report, _ = found
-    assert simulate(graph, regions).peak_bytes == report.peak_bytes <= budget
-    probe = dec.blocks[dec.probes[0]]
-    price = blocks.AIM_SECONDS_PER_PAIR * (probe.end - probe.start + 1) ** 2
-    assert blocks.aim(graph, dec, windows, budget, SolveContext.limited(0.9 * price)) is dec
-    two = blocks.aim(graph, dec, windows, budget, SolveContext.limited(2.5 * price))
-    assert 0 < sum(map(len, two.policies)) - sum(map(len, dec.policies)) <= 2
+    block = find_blocks(graph)[0][3]
+    fresh = blocks.block_policies(graph, block, SolveContext.limited(1.0))
+    late = blocks.block_policies(graph, block, SolveContext.limited(1.0).before(5.0))
+    ranked = blocks.ranked_keep_policies(graph, block)
+    assert len(late) < len(fresh)
+    assert set(late) <= set(fresh) and () in late and set(ranked) <= set(late)
 
 
 @pytest.fixture(scope="module")
@@ -213,26 +196,6 @@ def test_block_policies_get_more_of_the_limit_when_warm_plans_are_given(gpt18, m
         assert simulate(gpt18, plan).peak_bytes <= budget
     assert asked == pytest.approx([3 * POLICY_SHARE, 3 * LARGE_POLICY_SHARE, 2.5 * POLICY_SHARE])
     assert POLICY_SHARE < LARGE_POLICY_SHARE
-
-
-def test_large_graphs_aim_their_policies_only_at_the_solves_own_costs(gpt18, monkeypatch) -> None:
-    """On a large graph ``ilp`` gives ``blocks.aim`` what the menu and ``keep_more`` leave of its
-    limit, where the graph's costs are the solve's (a scored context); on a changed graph (the
-    rematerialised one, solved under an unscored context) none: its costs leave out the
-    rematerialisation, and cheaper policies there made dearer plans."""
-    asked: list[float] = []
-    aim = blocks.aim
-
-    def recording(graph, dec, windows, budget_bytes, ctx):
-        asked.append(ctx.limit)
-        return aim(graph, dec, windows, budget_bytes, ctx)
-
-    monkeypatch.setattr(blocks, "aim", recording)
-    budget = parse_budget(0.5, baseline_peak_bytes(gpt18))
-    for ctx in (SolveContext.limited(3.0), SolveContext.limited(3.0).unscored()):
-        plan = solve_ilp(gpt18, budget, ctx)
-        assert simulate(gpt18, plan).peak_bytes <= budget
-    assert asked == pytest.approx([3 * (1 - POLICY_SHARE - tuning.LARGE_REFINE_SHARE)])
 
 
 def test_keep_more_keeps_outputs_where_they_fit_and_recompute_less(gpt18) -> None:
