@@ -206,8 +206,7 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
     solves with the same limits. Below ``MIN_SOLVE_SECONDS`` per solve there are no flat solves:
     each budget's policy is the ilp's starting plan instead (``ilp_flat.starting_plan``: those warm
     plans with keeps added or shed by ``solvers.refine``), for as many ballasts and budgets, in
-    order, as ``seconds`` pays for. ``seconds`` is ``ctx.limit``; the policies for budgets, solved
-    or not, stop at its deadline (their count is priced; the deadline is the backstop)."""
+    order, as ``seconds`` pays for. ``seconds`` is ``ctx.limit``; the solves end by its deadline."""
     seconds = ctx.limit
     length = block.end - block.start
     ranked = ranked_keep_policies(graph, block)
@@ -247,8 +246,6 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
         frontier.add(top, solution(sub, (), "none", status="optimal"))
         resolution = max(1, (top - least) // FRONTIER_RESOLUTION)
         for k in range(POLICY_BUDGETS + (FRONTIER_SOLVES if share == BALLAST_SHARES[-1] else 0)):
-            if ctx.over():  # the count is priced, not timed (docs/tuning.md, "blocks")
-                break
             if quick:
                 if quick_left <= 0:
                     break
