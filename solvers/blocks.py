@@ -88,7 +88,7 @@ MIN_SOLVE_SECONDS = 0.05
 # plan, and one quick policy (ballast, budget) (docs/tuning.md, "blocks").
 SOLVE_SECONDS_PER_NODE = 0.0045
 DP_SECONDS_PER_NODE = 0.0013
-QUICK_SECONDS_PER_NODE = 0.003
+QUICK_SECONDS_PER_NODE = 0.0045
 MIN_BLOCK_NODES = 4  # smaller blocks leave nothing to decide inside them: no decomposition
 
 
