@@ -14,8 +14,8 @@ without them (``profile(..., workspaces=False)``: what fake tensors see). Writes
 from __future__ import annotations
 
 import argparse
-import platform
 
+import results_file  # benchmarks/results_file.py, beside this script
 import torch
 import zoo  # benchmarks/zoo.py, beside this script
 
@@ -23,8 +23,6 @@ import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.simulation import baseline_peak_bytes
 
-ROOT = zoo.ROOT
-RESULTS = ROOT / "benchmarks" / "results" / "allocator.md"
 MIB = 2**20
 
 
@@ -44,15 +42,15 @@ def main() -> None:
     options = parser.parse_args()
     builders = zoo.builders()
     names = options.models.split(",") if options.models else list(builders)
-    rows = []
+    print("| model | step | measured | predicted | fake only |")
+    print("|---|---|---|---|---|")
     for name in names:
         model, args, kwargs = builders[name]()
         graph = ckptplan.profile(model, args, kwargs, outputs_live=False)
         fake = ckptplan.profile(model, args, kwargs, workspaces=False, outputs_live=False)
         torch.manual_seed(0)
         measured = ckptplan.measure_step(model, args, kwargs, outputs_live=False).peak_bytes
-        rows.append(_row(name, "no checkpointing", measured, baseline_peak_bytes(graph), baseline_peak_bytes(fake)))
-        print(rows[-1], flush=True)
+        print(_row(name, "no checkpointing", measured, baseline_peak_bytes(graph), baseline_peak_bytes(fake)), flush=True)
         try:
             plan = ckptplan.solve(graph, options.budget, time_limit=options.time_limit)
             what = f"auto at {options.budget:g}"
@@ -61,20 +59,15 @@ def main() -> None:
             what = "auto at its stated least"
         torch.manual_seed(0)
         measured = ckptplan.measure_step(ckptplan.emit(graph, plan), args, kwargs, outputs_live=False).peak_bytes
-        rows.append(_row(name, what, measured, plan.prediction.peak_bytes, ckptplan.simulate(fake, plan).peak_bytes))
-        print(rows[-1], flush=True)
-    command = (f"`python benchmarks/allocator.py --budget {options.budget:g}` on {platform.machine()}, torch "
-               f"{torch.__version__}, CPU. Measured: the allocator's peak over one step (MiB, with the module's "
-               "state and inputs). Predicted: the plan's peak, with the kernel workspaces the profiler measures; "
-               "fake only: the same plan simulated on the profile without them.")
-    text = "\n".join([
-        "# Predicted peaks against the allocator (CPU)", "", command, "",
-        "| model | step | measured | predicted | fake only |", "|---|---|---|---|---|", *rows, "",
-    ])
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(f"written to {RESULTS.relative_to(ROOT)}")
+        print(_row(name, what, measured, plan.prediction.peak_bytes, ckptplan.simulate(fake, plan).peak_bytes), flush=True)
+
+
+TITLE = "Predicted peaks against the allocator (CPU)"
+ABOUT = ("Measured: the allocator's peak over one step (MiB, with the module's state and inputs). Predicted: the "
+         "plan's peak, with the kernel workspaces the profiler measures; fake only: the same plan simulated on the "
+         "profile without them.")
 
 
 if __name__ == "__main__":
-    main()
+    with results_file.recorded(__file__, TITLE, ABOUT):
+        main()

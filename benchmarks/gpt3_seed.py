@@ -23,6 +23,7 @@ import results_file  # benchmarks/results_file.py, beside this script
 import torch
 
 import ckptplan
+from ckptplan.cli.summary import op_name
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.simulation import baseline_peak_bytes
 from ckptplan.units import format_bytes, parse_budget
@@ -79,21 +80,69 @@ def main() -> None:
     started = time.perf_counter()
     every_block = ckptplan.make_plan(graph, blocks)
     print(row("checkpoint every block", graph, every_block, time.perf_counter() - started), flush=True)
+    plans: dict[str, ckptplan.Plan] = {}
     for solver in ("sqrt", "auto"):
         started = time.perf_counter()
         try:
-            plan = ckptplan.solve(graph, budget, solver=solver, time_limit=options.time_limit)
+            plans[solver] = plan = ckptplan.solve(graph, budget, solver=solver, time_limit=options.time_limit)
         except InfeasibleBudgetError as error:
             print(f"| {solver} | infeasible: least {format_bytes(error.min_peak_bytes)} | | | | | "
                   f"{time.perf_counter() - started:.1f} |")
             continue
         print(row(solver if solver != "auto" else f"auto ({plan.solver.name})", graph, plan,
                   time.perf_counter() - started), flush=True)
+    least = None
     try:
         ckptplan.solve(graph, static.resident_bytes + 1, solver="auto", time_limit=options.time_limit)
     except InfeasibleBudgetError as error:
-        print(f"\nLeast per-rank peak any solver reaches: {format_bytes(error.min_peak_bytes)}.")
+        least = error.min_peak_bytes
+        print(f"\nLeast per-rank peak any solver reaches: {format_bytes(least)}.")
     print(korthikanti(graph))
+    print(reading(graph, every_block, plans.get("auto"), least))
+
+
+def reading(graph: ckptplan.ComputeGraph, every_block: ckptplan.Plan, auto: ckptplan.Plan | None,
+            least: int | None) -> str:
+    """The table in words: what checkpointing every block costs and leaves, and what ``auto``
+    recomputes (the ops it recomputes in most of their occurrences, and those whose outputs it
+    mostly keeps), from this run's plans."""
+    fwd = graph.total_fwd_flops
+
+    def spent(plan: ckptplan.Plan) -> str:
+        return (f"{plan.prediction.recompute_flops / fwd:.1%} of a forward pass "
+                f"({plan.prediction.overhead:.1%} of the step by the roofline estimate)")
+
+    block_peak = every_block.prediction.peak_bytes
+    text = [f"\nCheckpointing every block recomputes {spent(every_block)} and leaves {format_bytes(block_peak)} per rank"]
+    if least is not None:
+        text.append(", the least any solver reaches" if format_bytes(least) == format_bytes(block_peak)
+                    else f"; the least any solver reaches is {format_bytes(least)}")
+        text.append(" (below it `ckptplan solve` exits 3 and quotes it)")
+    text.append(".")
+    if auto is not None and auto.nodes:
+        total: dict[str, int] = {}
+        redone: dict[str, int] = {}
+        for node in auto.nodes:
+            if node.saved_bytes:  # ops that keep something for backward: the ones a plan decides on
+                name = op_name(node.op)
+                total[name] = total.get(name, 0) + 1
+                redone[name] = redone.get(name, 0) + (node.decision in ("recompute", "remat"))
+        mostly_redone = [name for name in total if redone[name] > total[name] / 2]
+        mostly_kept = [name for name in total if redone[name] <= total[name] / 2]
+        text.append(
+            f" `auto` recomputes {spent(auto)} at {format_bytes(auto.prediction.peak_bytes)}, "
+            f"{format_bytes(auto.prediction.peak_bytes - graph.static.resident_bytes)} above the resident state "
+            f"where activations without checkpointing would be {format_bytes(graph.activation_bytes)}.")
+        said = [f"recomputes most occurrences of {_listed(mostly_redone)}" if mostly_redone else "",
+                f"keeps the outputs of most of {_listed(mostly_kept)}" if mostly_kept else ""]
+        if total:
+            text.append(f" Of the ops that save tensors for backward, it {' and '.join(filter(None, said))}.")
+    return "".join(text)
+
+
+def _listed(names: list[str]) -> str:
+    quoted = [f"`{name}`" for name in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
 def korthikanti(graph: ckptplan.ComputeGraph) -> str:
@@ -113,7 +162,8 @@ ABOUT = (
     "`examples/gpt3_175b.py`, one sequence of 2048 tokens per rank, profiled on the meta device for CUDA's kernels "
     "(`target=\"cuda\"` in its `TRAINING`: dropout keeps 1-byte masks); every number is the simulator's per-rank "
     "prediction (no GPU runs here). Overhead is the roofline estimate of the step; \"recomputed / forward FLOPs\" "
-    "the recomputed forward FLOPs over one forward pass's."
+    "the recomputed forward FLOPs over one forward pass's. At this size `auto` plans block by block and "
+    "its block solves stop on the wall clock, so reruns differ by a few tenths of a percent of the step."
 )
 
 if __name__ == "__main__":

@@ -14,14 +14,16 @@ the plan the search starts from (the cheapest of those, refined by ``solvers.ref
 CP-SAT's proven relative gap (1.0: no lower bound better than zero was proven), "proof phase"
 what the proof phase (``solvers.ilp_lazy``, ``proof_workers()`` workers) needed of the memory rows it leaves
 out (absent when the reproducible search proved the plan itself). Prints a Markdown table and
-writes it to ``benchmarks/results/ilp_speed.md``.
+writes it to ``benchmarks/results/ilp_speed.md`` (at another ``--time-limit``,
+``ilp_speed_<limit>s.md``; the modes below write ``ilp_speed_<mode>.md``).
 
 ``--limits 2,6,15``: instead, ``ilp`` (or with ``--solver auto``, ``auto``) at each of those time
 limits: the seconds it took against the limit asked, and the plan's overhead (does it keep to
 its limit?).
 
 ``--proof-only``: the proof phase alone (``ilp_lazy.proof_search``) from
-the block-by-block plan (or ``sqrt``'s, where the blocks find none), given the whole time limit:
+the block-by-block plan (or, where that is not one level, the start ``ilp``'s search takes:
+``ilp_flat.starting_plan``), given the whole time limit:
 how long a proof takes when nothing else runs first, and the size of the relaxation it ended
 with ("variables", "constraints": the decisions, the forward rows and the rows it added, each
 with the variables only it reads).
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -46,7 +49,6 @@ from ckptplan.solvers.ilp import blocks_share, solve_hierarchical, solve_ilp
 from ckptplan.solvers.ilp_flat import starting_plan, warm_plans, warm_solvers
 from ckptplan.solvers.ilp_lazy import proof_search
 from ckptplan.solvers.ilp_model import COST_SCALE, build_model
-from ckptplan.solvers.sqrt import solve_sqrt
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FRACTIONS = (0.7, 0.5)
@@ -118,16 +120,22 @@ def proof_only(graphs: dict[str, ckptplan.ComputeGraph], time_limit: float) -> N
         for fraction in FRACTIONS:
             budget = int(fraction * baseline_peak_bytes(graph))
             try:
-                start = solve_hierarchical(graph, budget, SolveContext.limited(time_limit), warm=())
+                blocks = solve_hierarchical(graph, budget, SolveContext.limited(time_limit), warm=())
             except InfeasibleBudgetError:
-                start = None
-            if start is None or any(region.children for region in start.regions):
-                start = solve_sqrt(graph, budget)
-            origin = "sqrt" if start.solver == "sqrt" else "block by block"
-            proof = proof_search(graph, budget, start.regions, SolveContext.limited(time_limit), seconds=time_limit,
+                blocks = None
+            if blocks is not None and not any(region.children for region in blocks.regions):
+                origin, regions = "block by block", blocks.regions
+            else:  # the start ilp's search takes: the cheapest one-level warm plan, refined
+                warm = warm_plans(graph, budget, SolveContext.limited(time_limit), names=warm_solvers(graph))
+                origin, regions = "refined warm plan", starting_plan(graph, warm, budget)
+            if regions is None:
+                print(f"| {name} | {len(graph.nodes)} | {fraction:.0%} | no one-level plan fits | | | | | | | | | |")
+                continue
+            start_cost = ckptplan.simulate(graph, ckptplan.make_plan(graph, regions)).cost_seconds
+            proof = proof_search(graph, budget, regions, SolveContext.limited(time_limit), seconds=time_limit,
                                  announce=False)
             gap = 0.0 if proof.cost <= 0 else (proof.cost - proof.bound) / proof.cost
-            print(f"| {name} | {len(graph.nodes)} | {fraction:.0%} | {origin} | {start.cost_seconds / graph.step_cost:.3f} | "
+            print(f"| {name} | {len(graph.nodes)} | {fraction:.0%} | {origin} | {start_cost / graph.step_cost:.3f} | "
                   f"{proof.cost / COST_SCALE / graph.step_cost:.3f} | {proof.status.lower()} | "
                   f"{gap:.2f} | {proof.rounds} | {proof.rows} of {proof.deferred} | {proof.variables:,} | "
                   f"{proof.constraints:,} | {proof.seconds:.1f} |", flush=True)
@@ -210,7 +218,7 @@ def main() -> None:
 
 
 TITLE = "`ilp` against `dp` and `sqrt`"
-ABOUT = (
+FIRST_TABLE = (
     "Each graph at 70% and 50% of its no-checkpoint peak; the solvers in one process. \"overhead\" is the predicted "
     "recompute overhead (`Plan.prediction.overhead`; lower is better), \"gap\" the proven relative gap (1.00: no "
     "lower bound above zero was proven), \"ilp s\" the `ilp` wall time including its warm starts and model building, "
@@ -220,7 +228,37 @@ ABOUT = (
     "space is one level of regions with per-op keep-sets; `dp`'s is nested regions without keeps, so neither "
     "contains the other."
 )
+ABOUT = {
+    "": FIRST_TABLE,
+    "proof_only": (
+        "The proof phase alone (`ilp_lazy.proof_search`) from the block-by-block plan (or, where that is not one "
+        "level, the refined warm plan `ilp`'s search starts from), given the whole limit: how long a proof takes "
+        "when nothing runs first. It states the fullest memory row of its start plan up front and adds one per "
+        "round; \"variables\" and \"constraints\" are the relaxation it ended with."
+    ),
+    "limits": "`ilp` at each time limit: the seconds it took against the limit asked, and its plan's overhead.",
+    "limits_auto": "`auto` at each time limit: the seconds it took against the limit asked, and its plan's overhead.",
+}
+
+
+def variant(argv: list[str]) -> str:
+    """The results file a run writes: each mode, and the first table at a limit other than the
+    default, keeps its own (``ilp_speed_proof_only.md``, ``ilp_speed_limits.md``,
+    ``ilp_speed_limits_auto.md``, ``ilp_speed_6s.md``)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--proof-only", action="store_true")
+    parser.add_argument("--limits")
+    parser.add_argument("--solver", default="ilp")
+    options, _ = parser.parse_known_args(argv)
+    if options.proof_only:
+        return "proof_only"
+    if options.limits:
+        return "limits" if options.solver == "ilp" else f"limits_{options.solver}"
+    return "" if options.time_limit == 60.0 else f"{options.time_limit:g}s"
+
 
 if __name__ == "__main__":
-    with results_file.recorded(__file__, TITLE, ABOUT):
+    mode = variant(sys.argv[1:])
+    with results_file.recorded(__file__, TITLE, ABOUT.get(mode, ABOUT[""]), variant=mode):
         main()

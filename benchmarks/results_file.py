@@ -86,9 +86,10 @@ class Record:
 
 
 @contextlib.contextmanager
-def recorded(script: str, title: str, about: str = "") -> Iterator[Record]:
+def recorded(script: str, title: str, about: str = "", *, variant: str = "") -> Iterator[Record]:
     """Run the block with what it prints to stdout also kept; if it ends without an exception
-    (``--help`` and argument errors raise ``SystemExit``), write that as the results file."""
+    (``--help`` and argument errors raise ``SystemExit``), write that as the results file (of
+    ``variant``: a mode of the script that measures something else keeps its own file)."""
     record = Record()
     tee = _Tee(sys.stdout)
     sys.stdout = tee
@@ -96,4 +97,4 @@ def recorded(script: str, title: str, about: str = "") -> Iterator[Record]:
         yield record
     finally:
         sys.stdout = tee.stream
-    write(script, title, tee.kept.getvalue().splitlines(), about=about, rows=record.rows)
+    write(script, title, tee.kept.getvalue().splitlines(), about=about, rows=record.rows, variant=variant)

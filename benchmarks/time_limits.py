@@ -12,19 +12,14 @@ must be met. Writes ``benchmarks/results/time_limits.md``.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 
-import torch
+import results_file  # benchmarks/results_file.py, beside this script
 import zoo  # benchmarks/zoo.py, beside this script
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.simulation import baseline_peak_bytes
-
-ROOT = zoo.ROOT
-RESULTS = ROOT / "benchmarks" / "results" / "time_limits.md"
 
 
 def _solve(graph: ckptplan.ComputeGraph, budget: float, limit: float) -> tuple[float, str, int | None]:
@@ -48,7 +43,8 @@ def main() -> None:
     builders = zoo.builders()
     names = options.models.split(",") if options.models else list(builders)
     budgets = [float(b) for b in options.budgets.split(",")]
-    rows = []
+    print("| model | nodes | budget | seconds | of limit | answer | at the stated least |")
+    print("|---|---|---|---|---|---|---|")
     worst = 0.0
     for name in names:
         model, args, kwargs = builders[name]()
@@ -63,29 +59,16 @@ def main() -> None:
                 answer = f"infeasible, least {least:,} bytes"
                 again = f"{again_answer} in {again_seconds:.1f} s" if again_least is None else (
                     f"**infeasible again** (least {again_least:,}) in {again_seconds:.1f} s")
-            rows.append(f"| {name} | {len(graph.nodes)} | {budget:g} | {seconds:.1f} | {seconds / options.limit:.2f} | "
-                        f"{answer} | {again} |")
-            print(rows[-1], flush=True)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    command = (f"`python benchmarks/time_limits.py --limit {options.limit:g} --budgets {options.budgets}` on "
-               f"{platform.machine()}, {cores} cores, torch {torch.__version__}. `auto` at each budget (a fraction of "
-               "the no-checkpoint peak); an infeasible budget's stated least is then asked for with the same limit.")
-    text = "\n".join([
-        "# Time limits and stated least peaks",
-        "",
-        command,
-        "",
-        "| model | nodes | budget | seconds | of limit | answer | at the stated least |",
-        "|---|---|---|---|---|---|---|",
-        *rows,
-        "",
-        f"Longest: {worst:.2f} of the limit.",
-        "",
-    ])
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(f"\nLongest: {worst:.2f} of the limit; written to {RESULTS.relative_to(ROOT)}")
+            print(f"| {name} | {len(graph.nodes)} | {budget:g} | {seconds:.1f} | {seconds / options.limit:.2f} | "
+                  f"{answer} | {again} |", flush=True)
+    print(f"\nLongest: {worst:.2f} of the limit.")
+
+
+TITLE = "Time limits and stated least peaks"
+ABOUT = ("`auto` at each budget (a fraction of the no-checkpoint peak); an infeasible budget's stated least is then "
+         "asked for with the same limit.")
 
 
 if __name__ == "__main__":
-    main()
+    with results_file.recorded(__file__, TITLE, ABOUT):
+        main()
