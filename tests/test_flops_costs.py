@@ -67,7 +67,7 @@ def test_priced_in_flops_the_solver_matches_the_selective_policy_without_recompu
     budget = selective.prediction.peak_bytes
     assert budget < ckptplan.make_plan(graph, []).prediction.peak_bytes
 
-    plan = ckptplan.solve(graph, budget, solver="ilp", time_limit=10)
+    plan = ckptplan.solve(graph, budget, solver="ilp", time_limit=4)
     assert plan.regions and plan.prediction.peak_bytes <= budget
     assert plan.prediction.recompute_flops == 0
     module = ckptplan.emit(graph, plan)
