@@ -22,8 +22,9 @@ from tests import models
 from tests.conftest import bits
 
 
-def _mlp(dropout: float = 0.0) -> nn.Module:
-    return models.norm_mlp(dropout)
+def _mlp(dropout: float = 0.0, blocks: int = 4) -> nn.Module:
+    """``models.norm_mlp``; two blocks where a test needs no more (each compile traces them all)."""
+    return models.norm_mlp(dropout, blocks=blocks)
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +100,7 @@ def test_what_the_caller_holds_through_the_backward_is_in_the_prediction(scalar:
 def test_outputs_the_loop_holds_count_through_the_backward() -> None:
     """A loop that keeps ``out`` holds the forward's output through the backward, though the
     backward never reads it: the prediction counts it there, and is the allocator's count."""
-    model, x = _mlp(), torch.randn(1024, 64)
+    model, x = _mlp(blocks=2), torch.randn(1024, 64)
     compiled = ckptplan.compile(model, (x,), budget=0.8, backend="aot_eager", solver="greedy")
     plan = compiled.ckptplan_plan
     dropped = simulate_partition(dataclasses.replace(plan.graph, outputs_live=False), plan.report.saved)
@@ -143,7 +144,7 @@ def test_pytorch_s_partitions_of_the_replaying_step_are_asked_for_only_where_a_d
     for dropout, asked in ((0.0, 1), (0.1, 2)):
         calls.clear()
         torch._dynamo.reset()
-        partitioner = ckptplan.compile(_mlp(dropout), (x,), budget=0.8, backend="aot_eager",
+        partitioner = ckptplan.compile(_mlp(dropout, blocks=2), (x,), budget=0.8, backend="aot_eager",
                                        solver="greedy").ckptplan_partitioner
         assert len(calls) == asked and partitioner.starts
 
@@ -152,7 +153,7 @@ def test_gradients_equal_eager_with_dropout() -> None:
     """Dropout masks are drawn as eager draws them and saved or replayed from the generator's
     saved state, never drawn anew: the compiled step's gradients are eager's for the same
     random stream."""
-    model, x = _mlp(dropout=0.2), torch.randn(256, 64)
+    model, x = _mlp(dropout=0.2, blocks=2), torch.randn(256, 64)
     reference = copy.deepcopy(model)
     compiled = ckptplan.compile(model, (x,), budget=0.8, backend="aot_eager", outputs_live=False)
     assert compiled.ckptplan_plan.recomputed
@@ -293,7 +294,7 @@ def test_a_view_holds_its_base_s_storage_in_the_backward_too() -> None:
 def test_a_budget_below_the_least_peak_says_so() -> None:
     x = torch.randn(1024, 64)
     with pytest.raises(InfeasibleBudgetError) as caught:
-        ckptplan.compile(_mlp(), (x,), budget=0.05, backend="aot_eager", time_limit=2)
+        ckptplan.compile(_mlp(blocks=2), (x,), budget=0.05, backend="aot_eager", time_limit=2)
     assert caught.value.min_peak_bytes > caught.value.budget_bytes
     with pytest.raises(CkptPlanError, match="backend"):
         ckptplan.compile(_mlp(), (x,), budget=0.5, backend="eager")
@@ -302,7 +303,7 @@ def test_a_budget_below_the_least_peak_says_so() -> None:
 def test_the_solver_only_returns_what_the_model_checks() -> None:
     """Each returned partition is the model's own report of it, within budget when feasible,
     and recomputes nothing at the no-recompute peak."""
-    model, x = _mlp(), torch.randn(128, 64)
+    model, x = _mlp(blocks=2), torch.randn(128, 64)
     compiled = ckptplan.compile(model, (x,), budget=1.0, backend="aot_eager")
     graph = compiled.ckptplan_plan.graph
     baseline = simulate_partition(graph, no_recompute(graph)).peak_bytes
@@ -392,7 +393,7 @@ def test_the_partition_model_on_a_chain_by_hand() -> None:
 def test_the_inductor_backend_takes_the_partition(monkeypatch) -> None:
     """Inductor compiles the graphs ckptplan cut; its kernels hold other buffers than the model
     counts, so ``compile`` measures the step, and leaves no gradients behind."""
-    model, x = models.norm_mlp(0.1, blocks=2), torch.randn(256, 64)
+    model, x = _mlp(0.1, blocks=2), torch.randn(256, 64)
     reference = copy.deepcopy(model)
     compiled = ckptplan.compile(model, (x,), budget=0.8, backend="inductor", solver="greedy")
     plan = compiled.ckptplan_plan
@@ -440,7 +441,7 @@ def test_an_inductor_step_measured_over_the_budget_is_compiled_as_modelled_then_
 
     monkeypatch.setattr(compiled_module, "_compiled", compiled)
     monkeypatch.setattr(compiled_module, "_measured_peak", measured)
-    model, x = models.norm_mlp(blocks=2), torch.randn(1024, 64)  # two blocks: each attempt is a compile
+    model, x = _mlp(blocks=2), torch.randn(1024, 64)
     modelled = dict(compiled_module.MODELLED_INDUCTOR)
     assert modelled == {"reorder_for_peak_memory": False, "layout_optimization": False}
     torch.compile(nn.Identity(), backend="inductor", options=modelled)  # inductor knows both settings
@@ -511,7 +512,7 @@ def test_an_inductor_step_out_of_memory_when_measured_says_so_and_keeps_the_grad
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory.")
 
-    model, x = _mlp(), torch.randn(256, 64)
+    model, x = _mlp(blocks=2), torch.randn(256, 64)
     training_loss(model(x)).backward()
     before = [p.grad.clone() for p in model.parameters()]
     monkeypatch.setattr(compiled_module, "measure_step", out_of_memory)
@@ -546,7 +547,7 @@ def test_a_transformers_model_compiles_whole_and_measures_as_predicted() -> None
     picks the loss first, so the model compiles whole."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=100, use_cache=False,
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, n_positions=64, vocab_size=100, use_cache=False,
                                      bos_token_id=0, eos_token_id=0)
     model, ids = transformers.GPT2LMHeadModel(config), torch.randint(0, 100, (4, 32))
     compiled = ckptplan.compile(model, (ids,), {"labels": ids}, budget=0.8, backend="aot_eager", outputs_live=False,
@@ -560,7 +561,7 @@ def test_a_transformers_model_compiles_whole_and_measures_as_predicted() -> None
 def test_a_bfloat16_step_measures_as_predicted() -> None:
     """Weights and activations in bfloat16: the joint graph's bytes are bfloat16's, and the
     prediction is the allocator's count."""
-    model, x = _mlp(dropout=0.1).to(torch.bfloat16), torch.randn(1024, 64, dtype=torch.bfloat16)
+    model, x = _mlp(dropout=0.1, blocks=2).to(torch.bfloat16), torch.randn(1024, 64, dtype=torch.bfloat16)
     compiled = ckptplan.compile(model, (x,), budget=0.7, backend="aot_eager", outputs_live=False, solver="greedy")
     plan = compiled.ckptplan_plan
     assert plan.recomputed and plan.peak_bytes <= plan.budget_bytes
@@ -574,7 +575,7 @@ def test_an_autocast_step_measures_as_predicted_and_trains_as_the_step_recomputi
     from ckptplan.planner.compiled import nothing_recomputed
 
     torch.manual_seed(0)
-    model, x = _mlp(dropout=0.1), torch.randn(1024, 64)
+    model, x = _mlp(dropout=0.1, blocks=2), torch.randn(1024, 64)
     unchanged = copy.deepcopy(model)
     compiled = ckptplan.compile(model, (x,), budget=0.7, backend="aot_eager", outputs_live=False, solver="greedy",
                                 autocast=torch.bfloat16)
@@ -597,7 +598,7 @@ def test_an_autocast_step_measures_as_predicted_and_trains_as_the_step_recomputi
 
 
 def test_compile_inside_an_autocast_context_plans_the_autocast_step() -> None:
-    model, x = _mlp(), torch.randn(256, 64)
+    model, x = _mlp(blocks=2), torch.randn(256, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         compiled = ckptplan.compile(model, (x,), budget=1.0, solver="greedy", backend="aot_eager")
     assert compiled.ckptplan_plan.autocast == "bfloat16"
@@ -612,7 +613,7 @@ def test_dynamo_s_recompile_limit_reached_is_one_clear_sentence() -> None:
 
     from ckptplan.planner.compiled import _recompile_limit_name
 
-    model, x = _mlp(), torch.randn(64, 64)
+    model, x = _mlp(blocks=2), torch.randn(64, 64)
     with dynamo_config.patch(**{_recompile_limit_name(): 2}):
         for _ in range(2):
             ckptplan.compile(model, (x,), budget=1.0, solver="greedy", backend="aot_eager")
