@@ -15,19 +15,15 @@ Writes ``benchmarks/results/anytime.md`` and ``anytime.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 
-import torch
+import results_file  # benchmarks/results_file.py, beside this script
 import zoo  # benchmarks/zoo.py, beside this script
 
 import ckptplan
 from ckptplan.errors import InfeasibleBudgetError
 
 ROOT = zoo.ROOT
-RESULTS = ROOT / "benchmarks" / "results" / "anytime.md"
 
 
 def _workloads() -> dict:
@@ -78,7 +74,7 @@ def _cell(shorts: list[dict], long: dict) -> str:
     )
 
 
-def main() -> None:
+def main(record: results_file.Record) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--short", default="10,30", help="comma-separated time limits, in seconds")
     parser.add_argument("--long", type=float, default=60.0)
@@ -90,55 +86,42 @@ def main() -> None:
     workloads = _workloads()
     names = options.models.split(",") if options.models else list(workloads)
     budgets = [float(b) for b in options.budgets.split(",")]
-    records, rows = [], []
+    print(f"| model | nodes | budget | {' | '.join(f'{limit:g}-s solve' for limit in shorts)} | {options.long:g}-s solve |")
+    print("|---|---|---|" + "---|" * (len(shorts) + 1))
+    records = []
     for name in names:
         model, args, kwargs = workloads[name]()
         graph = ckptplan.profile(model, args, kwargs, outputs_live=False)
         for budget in budgets:
             long = _solve(graph, budget, options.long)
-            record = {"model": name, "nodes": len(graph.nodes), "budget": budget, "long": long, "short": {}}
+            entry = {"model": name, "nodes": len(graph.nodes), "budget": budget, "long": long, "short": {}}
             cells = []
             for limit in shorts:
                 runs = [_solve(graph, budget, limit) for _ in range(options.repeat)]
                 runs = [{**short, "cost_ratio": _ratio(short, long)} for short in runs]
-                record["short"][f"{limit:g}"] = runs
+                entry["short"][f"{limit:g}"] = runs
                 cells.append(_cell(runs, long))
             long_cell = (f"{long['seconds']:.1f} s, {long['status']}" if long["status"] != "infeasible"
                          else f"{long['seconds']:.1f} s, infeasible (least {long['least_bytes']:,})")
-            records.append(record)
-            rows.append(f"| {name} | {len(graph.nodes)} | {budget:g} | {' | '.join(cells)} | {long_cell} |")
-            print(rows[-1], flush=True)
-    summary = []
+            records.append(entry)
+            print(f"| {name} | {len(graph.nodes)} | {budget:g} | {' | '.join(cells)} | {long_cell} |", flush=True)
+    print()
     for limit in shorts:
         runs = [run for r in records for run in r["short"][f"{limit:g}"]]
         ratios = [run["cost_ratio"] for run in runs if run["cost_ratio"] is not None]
         within = sum(ratio <= 1.01 for ratio in ratios)
-        summary.append(f"{limit:g} s: worst cost ratio {max(ratios, default=float('nan')):.4f}, {within} of "
-                       f"{len(ratios)} feasible solves within 1% of the {options.long:g}-s plan, slowest "
-                       f"{max((run['seconds'] for run in runs), default=float('nan')):.1f} s.")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    command = (f"`python benchmarks/anytime.py --short {options.short} --long {options.long:g} --budgets "
-               f"{options.budgets} --repeat {options.repeat}` on {platform.machine()}, {cores} cores, torch "
-               f"{torch.__version__}. `auto` at each budget (a fraction of the no-checkpoint peak) with each time "
-               f"limit, the short ones {options.repeat} time(s) each. Each short cell: the slowest solve's seconds, "
-               "and each plan's predicted cost (recompute + checkpoint seconds) over the long plan's.")
-    text = "\n".join([
-        "# Short solves against long ones",
-        "",
-        command,
-        "",
-        f"| model | nodes | budget | {' | '.join(f'{limit:g}-s solve' for limit in shorts)} | {options.long:g}-s solve |",
-        "|---|---|---|" + "---|" * (len(shorts) + 1),
-        *rows,
-        "",
-        *summary,
-        "",
-    ])
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    RESULTS.with_suffix(".json").write_text(json.dumps(records, indent=2) + "\n")
-    print("\n" + "\n".join(summary) + f"\nWritten to {RESULTS.relative_to(ROOT)}")
+        print(f"{limit:g} s: worst cost ratio {max(ratios, default=float('nan')):.4f}, {within} of "
+              f"{len(ratios)} feasible solves within 1% of the {options.long:g}-s plan, slowest "
+              f"{max((run['seconds'] for run in runs), default=float('nan')):.1f} s.")
+    record.rows = records
+
+
+TITLE = "Short solves against long ones"
+ABOUT = ("`auto` at each budget (a fraction of the no-checkpoint peak) with each time limit, the short ones "
+         "`--repeat` times each. Each short cell: the slowest solve's seconds, and each plan's predicted cost "
+         "(recompute + checkpoint seconds) over the long plan's.")
 
 
 if __name__ == "__main__":
-    main()
+    with results_file.recorded(__file__, TITLE, ABOUT) as record:
+        main(record)
