@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -52,6 +51,7 @@ from ckptplan.solvers.ilp_model import COST_SCALE, build_model
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FRACTIONS = (0.7, 0.5)
+DEFAULT_LIMIT = 60.0
 DEFAULT_GRAPHS = ("unet", "resnet", "gpt", "gpt2:2")
 
 
@@ -161,18 +161,21 @@ def limits(graphs: dict[str, ckptplan.ComputeGraph], seconds: list[float], solve
                       f"{overhead} | {status} |", flush=True)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_LIMIT)
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--proof-only", action="store_true", help="the proof phase alone, from the block-by-block plan")
+    parser.add_argument("--proof-only", action="store_true", help="the proof phase alone, from the block-by-block plan (or ilp's refined start)")
     parser.add_argument("--limits", help="comma-separated time limits: the seconds ilp takes at each")
     parser.add_argument("--solver", default="ilp", choices=("ilp", "auto"),
                         help="the solver --limits times: ilp alone, or auto (sqrt and dp first, their plans its warm starts)")
     parser.add_argument("--graphs", default=",".join(DEFAULT_GRAPHS),
                         help="examples by name and gpt2:N, a transformers GPT-2 of N layers "
                              f"(default {','.join(DEFAULT_GRAPHS)})")
-    options = parser.parse_args()
+    return parser.parse_args()
+
+
+def main(options: argparse.Namespace) -> None:
     graphs = {}
     for name in options.graphs.split(","):
         if name.startswith("gpt2:"):
@@ -241,24 +244,19 @@ ABOUT = {
 }
 
 
-def variant(argv: list[str]) -> str:
+def variant(options: argparse.Namespace) -> str:
     """The results file a run writes: each mode, and the first table at a limit other than the
     default, keeps its own (``ilp_speed_proof_only.md``, ``ilp_speed_limits.md``,
     ``ilp_speed_limits_auto.md``, ``ilp_speed_6s.md``)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--time-limit", type=float, default=60.0)
-    parser.add_argument("--proof-only", action="store_true")
-    parser.add_argument("--limits")
-    parser.add_argument("--solver", default="ilp")
-    options, _ = parser.parse_known_args(argv)
     if options.proof_only:
         return "proof_only"
     if options.limits:
         return "limits" if options.solver == "ilp" else f"limits_{options.solver}"
-    return "" if options.time_limit == 60.0 else f"{options.time_limit:g}s"
+    return "" if options.time_limit == DEFAULT_LIMIT else f"{options.time_limit:g}s"
 
 
 if __name__ == "__main__":
-    mode = variant(sys.argv[1:])
+    options = arguments()
+    mode = variant(options)
     with results_file.recorded(__file__, TITLE, ABOUT.get(mode, ABOUT[""]), variant=mode):
-        main()
+        main(options)

@@ -342,10 +342,10 @@ def _search(
     model_seconds: float,
 ) -> tuple[LazyResult, tuple[Region, ...] | None]:
     """``solve_flat``'s reproducible search from ``start`` until ``ctx``'s deadline or ``clock``
-    seconds of CP-SAT's deterministic clock: the
-    lazy search with half of both, then ``improve_locally`` if more than ``model_seconds`` (what
-    building its model, the whole one, should take) is left. Returns the lazy search's result
-    and the plan after both (None when neither found one)."""
+    seconds of CP-SAT's deterministic clock: the lazy search with ``tuning.GLOBAL_SHARE`` of both,
+    then ``improve_locally`` if more than ``model_seconds`` (what building its model, the whole
+    one, should take) is left. Returns the lazy search's result and the plan after both (None
+    when neither found one)."""
     found = search_lazily(
         graph, budget_bytes, start, ctx, seconds=max(0.1, ctx.left()) * tuning.GLOBAL_SHARE,
         workers=workers,
