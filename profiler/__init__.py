@@ -23,6 +23,7 @@ from ckptplan.graph import ComputeGraph, Node, ShardSpec, TensorSpec
 from ckptplan.profiler.composite import spell_out_composites
 from ckptplan.profiler.cost import A100, FLOPS, Roofline
 from ckptplan.profiler.loss import loss_leaves, training_loss
+from ckptplan.profiler.masks import group_repeated_heads
 from ckptplan.profiler.record import record_graph
 from ckptplan.profiler.shard import shard_layout
 from ckptplan.profiler.static import static_memory
@@ -109,10 +110,14 @@ def profile(
     if autocast is not None:
         spec = Autocast.for_model(autocast, model, flat_inputs)
     traced = trace_model(model, args, kwargs, trace, spec)
+    own_kernels = "cuda" if device_type == "cuda" else "cpu"
+    if target == own_kernels:
+        # Grouped-query attention as the model calls it. For another target's kernels it stays
+        # repeated: ``cuda_attention`` does not model grouped calls (docs/limits.md).
+        group_repeated_heads(traced.gm)
     if spell_out:
         spell_out_composites(traced.gm, target, autocast=spec is not None)
     traced_seconds = time.perf_counter() - started
-    own_kernels = "cuda" if device_type == "cuda" else "cpu"
     if workspaces is None:
         workspaces = device_type in ("cpu", "cuda") and target == own_kernels
     recording = record_graph(

@@ -15,6 +15,12 @@ flags mean (``is_causal`` is PyTorch's top-left ``tril``): a mask equal to the c
 becomes ``is_causal=True``, a mask that keeps every score becomes no mask, and any other mask,
 or one that cannot be evaluated, stays as traced. The rewrite changes which kernel runs, not
 what it computes.
+
+Without a mask, ``transformers`` also passes grouped-query attention its keys and values
+unrepeated, with ``enable_gqa=True`` (``use_gqa_in_sdpa``), where the traced, masked call repeats
+them first (``repeat_kv``: ``unsqueeze``, ``expand``, ``reshape``). ``group_repeated_heads`` gives
+the calls whose mask was dropped that form back, so the step computes attention and its
+backward as the model does, to the last bit under bfloat16 autocast.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 # Masks above this many elements are left as traced rather than evaluated (a B·L·S boolean
 # mask at batch 64 and sequence 8,192 is 4 GiB).
 _MAX_MASK_ELEMENTS = 1 << 31
+RESTORED = "ckptplan_mask_restored"  # node.meta key of the attention calls ``restore_masks`` rewrote
+_RESHAPES = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
+_GQA_MAX_HEAD_DIM = 256  # transformers' use_gqa_in_sdpa passes enable_gqa only up to this head dim
 
 
 def restore_masks(gm: GraphModule) -> int:
@@ -56,12 +65,68 @@ def restore_masks(gm: GraphModule) -> int:
         q, k, v = (call.pop(name) for name in ("query", "key", "value"))
         node.args = (q, k, v)
         node.kwargs = {name: value for name, value in call.items() if value is not None}
+        node.meta[RESTORED] = True
         _erase_unused(gm, mask)
         rewritten += 1
     if rewritten:
         gm.graph.lint()
         gm.recompile()
     return rewritten
+
+
+def group_repeated_heads(gm: GraphModule) -> int:
+    """Rewrite every attention call of ``gm`` whose mask ``restore_masks`` dropped, and whose keys
+    and values are grouped heads repeated for it (``_unrepeated``), into the call ``transformers``
+    makes without a mask: keys and values unrepeated, ``enable_gqa=True``, when their head dims
+    are equal and at most 256 (``use_gqa_in_sdpa``). Drop the nodes that only repeated them, and
+    return how many calls were rewritten."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SDPA or not node.meta.get(RESTORED):
+            continue
+        call = dict(zip(_SDPA_ARGS, node.args, strict=False)) | dict(node.kwargs)
+        if call.get("enable_gqa", False):
+            continue
+        query, key, value = _tensor_meta(call["query"]), _tensor_meta(call["key"]), _tensor_meta(call["value"])
+        grouped_key, grouped_value = _unrepeated(call["key"]), _unrepeated(call["value"])
+        if query is None or key is None or value is None or grouped_key is None or grouped_value is None:
+            continue
+        heads = _tensor_meta(grouped_key).size(1), _tensor_meta(grouped_value).size(1)
+        if heads[0] != heads[1] or key.size(-1) != value.size(-1) or key.size(-1) > _GQA_MAX_HEAD_DIM:
+            continue
+        repeated = call.pop("key"), call.pop("value")
+        node.args = (call.pop("query"), grouped_key, grouped_value)
+        node.kwargs = {name: value for name, value in call.items() if value is not None} | {"enable_gqa": True}
+        for tensor in repeated:
+            _erase_unused(gm, tensor)
+        rewritten += 1
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+def _unrepeated(node: Any) -> Node | None:
+    """The tensor of grouped heads that ``node`` repeats, when ``node`` is ``transformers``'
+    ``repeat_kv`` of it (``x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)``, n > 1)
+    and nothing else reads the repeat; else None."""
+    if not isinstance(node, Node) or node.target not in _RESHAPES or len(node.users) != 1:
+        return None
+    expand = node.args[0]
+    if not isinstance(expand, Node) or expand.target is not _aten.expand.default or len(expand.users) != 1:
+        return None
+    unsqueeze = expand.args[0]
+    if (not isinstance(unsqueeze, Node) or unsqueeze.target is not _aten.unsqueeze.default
+            or unsqueeze.args[1] != 2 or len(unsqueeze.users) != 1):
+        return None
+    grouped, repeated = _tensor_meta(unsqueeze.args[0]), _tensor_meta(node)
+    if grouped is None or repeated is None or grouped.dim() != 4 or repeated.dim() != 4:
+        return None
+    batch, heads, length, dim = grouped.shape
+    copies = repeated.size(1) // heads if heads else 0
+    if copies < 2 or tuple(repeated.shape) != (batch, heads * copies, length, dim):
+        return None
+    return unsqueeze.args[0]
 
 
 def _tensor_meta(node: Any) -> torch.Tensor | None:

@@ -85,13 +85,13 @@ def test_other_masks_stay_as_traced(kind: str) -> None:
     assert isinstance(call.args[3] if len(call.args) > 3 else call.kwargs["attn_mask"], torch.fx.Node)
 
 
-def _llama() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+def _llama(key_value_heads: int = 4) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=128, use_cache=False,
+        num_key_value_heads=key_value_heads, max_position_embeddings=128, use_cache=False,
     )
     ids = torch.randint(0, 256, (2, 128))
     return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
@@ -118,3 +118,35 @@ def test_a_transformers_llama_plan_runs_the_models_own_attention_step() -> None:
         training_loss(module(**kwargs)).backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def _attention_calls(graph: ckptplan.ComputeGraph) -> list:
+    return [n for n in graph.nodes if "scaled_dot_product_attention" in n.op]
+
+
+def test_grouped_query_attention_runs_unrepeated_as_the_model_calls_it() -> None:
+    """With fewer key and value heads than query heads, ``transformers`` calls SDPA without a mask
+    with the heads unrepeated and ``enable_gqa=True``; the profiled graph does too, so under
+    bfloat16 autocast, where the repeated form rounds otherwise, the emitted module's step is the
+    model's to the bit: the same gradients and the same peak. Profiled for CUDA's kernels on CPU
+    the repeat stays (``cuda_attention`` does not model grouped calls)."""
+    model, kwargs = _llama(key_value_heads=2)
+    reference = copy.deepcopy(model)
+    graph = ckptplan.profile(model, (), kwargs, autocast=torch.bfloat16)
+    attention = _attention_calls(graph)
+    assert len(attention) == 2
+    assert not [n for n in graph.nodes if n.op == "aten.expand.default" and "self_attn" in n.module]
+    emitted = ckptplan.emit(graph, make_plan(graph, ()))
+    model_peak = ckptplan.measure_step(reference, (), kwargs, autocast=torch.bfloat16).peak_bytes
+    assert ckptplan.measure_step(emitted, (), kwargs, autocast=torch.bfloat16).peak_bytes == model_peak
+    for module in (emitted, reference):
+        for p in module.parameters():
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = training_loss(module(**kwargs))
+        loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    for_cuda = ckptplan.profile(model, (), kwargs, autocast=torch.bfloat16, target="cuda")
+    assert len(_attention_calls(for_cuda)) == 2
+    assert [n for n in for_cuda.nodes if n.op == "aten.expand.default" and "self_attn" in n.module]
