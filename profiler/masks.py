@@ -87,12 +87,12 @@ def group_repeated_heads(gm: GraphModule) -> int:
         call = dict(zip(_SDPA_ARGS, node.args, strict=False)) | dict(node.kwargs)
         if call.get("enable_gqa", False):
             continue
-        query, key, value = _tensor_meta(call["query"]), _tensor_meta(call["key"]), _tensor_meta(call["value"])
+        keys, values = _tensor_meta(call["key"]), _tensor_meta(call["value"])
         grouped_key, grouped_value = _unrepeated(call["key"]), _unrepeated(call["value"])
-        if query is None or key is None or value is None or grouped_key is None or grouped_value is None:
+        if keys is None or values is None or grouped_key is None or grouped_value is None:
             continue
         heads = _tensor_meta(grouped_key).size(1), _tensor_meta(grouped_value).size(1)
-        if heads[0] != heads[1] or key.size(-1) != value.size(-1) or key.size(-1) > _GQA_MAX_HEAD_DIM:
+        if heads[0] != heads[1] or keys.size(-1) != values.size(-1) or keys.size(-1) > _GQA_MAX_HEAD_DIM:
             continue
         repeated = call.pop("key"), call.pop("value")
         node.args = (call.pop("query"), grouped_key, grouped_value)
