@@ -50,28 +50,18 @@ def restore_masks(gm: GraphModule) -> int:
     mask into the call without it, drop the nodes that only built it, and return how many
     calls were rewritten."""
     rewritten = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _SDPA:
-            continue
-        call = dict(zip(_SDPA_ARGS, node.args, strict=False)) | dict(node.kwargs)
+    for node, call in _attention_calls(gm):
         mask = call.get("attn_mask")
         if not isinstance(mask, Node) or call.get("is_causal", False):
             continue
         form = _mask_form(mask, _tensor_meta(call["query"]), _tensor_meta(call["key"]))
         if form is None:
             continue
-        call["attn_mask"] = None
-        call["is_causal"] = form == "causal"
-        q, k, v = (call.pop(name) for name in ("query", "key", "value"))
-        node.args = (q, k, v)
-        node.kwargs = {name: value for name, value in call.items() if value is not None}
+        _set_call(node, call | {"attn_mask": None, "is_causal": form == "causal"})
         node.meta[RESTORED] = True
         _erase_unused(gm, mask)
         rewritten += 1
-    if rewritten:
-        gm.graph.lint()
-        gm.recompile()
-    return rewritten
+    return _recompiled(gm, rewritten)
 
 
 def group_repeated_heads(gm: GraphModule) -> int:
@@ -81,11 +71,8 @@ def group_repeated_heads(gm: GraphModule) -> int:
     are equal and at most 256 (``use_gqa_in_sdpa``). Drop the nodes that only repeated them, and
     return how many calls were rewritten."""
     rewritten = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _SDPA or not node.meta.get(RESTORED):
-            continue
-        call = dict(zip(_SDPA_ARGS, node.args, strict=False)) | dict(node.kwargs)
-        if call.get("enable_gqa", False):
+    for node, call in _attention_calls(gm):
+        if not node.meta.get(RESTORED) or call.get("enable_gqa", False):
             continue
         keys, values = _tensor_meta(call["key"]), _tensor_meta(call["value"])
         grouped_key, grouped_value = _unrepeated(call["key"]), _unrepeated(call["value"])
@@ -94,12 +81,30 @@ def group_repeated_heads(gm: GraphModule) -> int:
         heads = _tensor_meta(grouped_key).size(1), _tensor_meta(grouped_value).size(1)
         if heads[0] != heads[1] or keys.size(-1) != values.size(-1) or keys.size(-1) > _GQA_MAX_HEAD_DIM:
             continue
-        repeated = call.pop("key"), call.pop("value")
-        node.args = (call.pop("query"), grouped_key, grouped_value)
-        node.kwargs = {name: value for name, value in call.items() if value is not None} | {"enable_gqa": True}
+        repeated = call["key"], call["value"]
+        _set_call(node, call | {"key": grouped_key, "value": grouped_value, "enable_gqa": True})
         for tensor in repeated:
             _erase_unused(gm, tensor)
         rewritten += 1
+    return _recompiled(gm, rewritten)
+
+
+def _attention_calls(gm: GraphModule) -> list[tuple[Node, dict[str, Any]]]:
+    """Each ``scaled_dot_product_attention`` node of ``gm`` with its arguments by name."""
+    return [(node, dict(zip(_SDPA_ARGS, node.args, strict=False)) | dict(node.kwargs))
+            for node in gm.graph.nodes if node.op == "call_function" and node.target in _SDPA]
+
+
+def _set_call(node: Node, call: dict[str, Any]) -> None:
+    """Make ``node`` the attention call ``call``: query, key and value by position, the other
+    arguments that are not None by name."""
+    node.args = tuple(call[name] for name in ("query", "key", "value"))
+    node.kwargs = {name: value for name, value in call.items()
+                   if name not in ("query", "key", "value") and value is not None}
+
+
+def _recompiled(gm: GraphModule, rewritten: int) -> int:
+    """``rewritten``, after checking and recompiling ``gm`` when it changed."""
     if rewritten:
         gm.graph.lint()
         gm.recompile()

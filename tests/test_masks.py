@@ -85,6 +85,10 @@ def test_other_masks_stay_as_traced(kind: str) -> None:
     assert isinstance(call.args[3] if len(call.args) > 3 else call.kwargs["attn_mask"], torch.fx.Node)
 
 
+def _attention_calls(graph: ckptplan.ComputeGraph) -> list:
+    return [n for n in graph.nodes if "scaled_dot_product_attention" in n.op]
+
+
 def _llama(key_value_heads: int = 4) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     import transformers
 
@@ -104,8 +108,7 @@ def test_a_transformers_llama_plan_runs_the_models_own_attention_step() -> None:
     model, kwargs = _llama()
     reference = copy.deepcopy(model)
     graph = ckptplan.profile(model, (), kwargs)
-    attention = [n for n in graph.nodes if "scaled_dot_product_attention" in n.op]
-    assert len(attention) == 2
+    assert len(_attention_calls(graph)) == 2
     assert not [n for n in graph.nodes if "cumsum" in n.op or "__and__" in n.op]
     plan = make_plan(graph, ())
     emitted = ckptplan.emit(graph, plan)
@@ -120,10 +123,6 @@ def test_a_transformers_llama_plan_runs_the_models_own_attention_step() -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
-def _attention_calls(graph: ckptplan.ComputeGraph) -> list:
-    return [n for n in graph.nodes if "scaled_dot_product_attention" in n.op]
-
-
 def test_grouped_query_attention_runs_unrepeated_as_the_model_calls_it() -> None:
     """With fewer key and value heads than query heads, ``transformers`` calls SDPA without a mask
     with the heads unrepeated and ``enable_gqa=True``; the profiled graph does too, so under
@@ -133,8 +132,7 @@ def test_grouped_query_attention_runs_unrepeated_as_the_model_calls_it() -> None
     model, kwargs = _llama(key_value_heads=2)
     reference = copy.deepcopy(model)
     graph = ckptplan.profile(model, (), kwargs, autocast=torch.bfloat16)
-    attention = _attention_calls(graph)
-    assert len(attention) == 2
+    assert len(_attention_calls(graph)) == 2
     assert not [n for n in graph.nodes if n.op == "aten.expand.default" and "self_attn" in n.module]
     emitted = ckptplan.emit(graph, make_plan(graph, ()))
     model_peak = ckptplan.measure_step(reference, (), kwargs, autocast=torch.bfloat16).peak_bytes
