@@ -25,7 +25,7 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
     and on larger ones made of repeated blocks (which it solves block by block), started from
     their plans, so it can only improve on them, until ``ctx``'s deadline (None: ``auto``'s
     default limit from now). Solvers registered by users run too. The plan records which solver
-    won and what was skipped. When none fits, the error states the least peak of a plan one of
+    won, and what was skipped (``Solution.skipped``). When none fits, the error states the least peak of a plan one of
     them made (``solvers.least``).
     """
     ctx = ctx if ctx is not None else SolveContext.limited(default_seconds("auto", len(graph.nodes)))
@@ -59,5 +59,5 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
     if not plans:
         plans.append(least_of(errors, budget_bytes, "No solver fits"))
     best = min(plans, key=lambda p: (p.cost_seconds, p.peak_bytes))
-    why = "; ".join(["cheapest plan within budget", *skipped])
-    return best.but(note=f"auto chose {best.solver}: {why}. {best.note}".strip())
+    return best.but(note=f"auto chose {best.solver}: cheapest plan within budget. {best.note}".strip(),
+                    skipped=tuple(skipped))

@@ -95,8 +95,10 @@ def finish_seconds(graph: ComputeGraph) -> float:
 
 
 def plan_of(graph: ComputeGraph, found: Solution, budget: BudgetInfo, *, seconds: float = 0.0) -> Plan:
-    """``found`` as a ``Plan`` for ``graph`` made for ``budget`` in ``seconds``."""
-    info = SolverInfo(name=found.solver, status=found.status, seconds=seconds, gap=found.gap, note=found.note,
+    """``found`` as a ``Plan`` for ``graph`` made for ``budget`` in ``seconds``; its note ends
+    with what the solve skipped (``Solution.skipped``)."""
+    note = "; ".join(part for part in (found.note, *found.skipped) if part)
+    info = SolverInfo(name=found.solver, status=found.status, seconds=seconds, gap=found.gap, note=note,
                       origin=found.origin)
     return make_plan(graph, found.regions, budget=budget, solver=info, report=found.report, remat=found.remat)
 

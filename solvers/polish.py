@@ -153,7 +153,7 @@ def _polish(
             return best.but(solver="ilp", status="optimal", gap=0.0, origin=best.origin or best.solver,
                             note=f"{CHOSE}the {best.solver} plan ({_own(best)}), proven optimal by {portfolio}")
         return best
-    bare = Solution(regions=regions, report=best.report, solver="ilp")
+    bare = Solution(regions=regions, report=best.report, solver="ilp", skipped=best.skipped)
     plan = bare.resimulated(graph, regions, remat) if own or onto is None else onto(bare)
     if plan.peak_bytes > budget_bytes or plan.cost_seconds >= best.cost_seconds:
         return best

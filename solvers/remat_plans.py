@@ -173,7 +173,8 @@ def with_remat(
             chose = "auto chose ilp: " if solver == "auto" else ""
             best = found.but(note=chose + found.note)
             ctx.report(cost_seconds=best.cost_seconds, peak_bytes=best.peak_bytes)
-    return best
+    # What the plain solve skipped on ``graph``, whichever plan won.
+    return best.but(skipped=plain.skipped) if plain is not None else best
 
 
 def _alone_first(

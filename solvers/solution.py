@@ -24,7 +24,9 @@ class Solution:
     """``regions`` and ``remat`` (node names, ``ckptplan.remat``) for one graph, with ``report``,
     what ``simulate`` says of them there. ``solver``: the kernel that made them; ``status``,
     ``gap`` and ``note`` as a plan's ``SolverInfo`` records them; ``origin``: the phase or warm
-    start that made the regions, when that is not ``solver`` itself."""
+    start that made the regions, when that is not ``solver`` itself; ``skipped``: the solvers
+    the solve left out on this graph and why, which the plan's note ends with
+    (``orchestrate.plan_of``), so that no later phase's note drops them."""
 
     regions: tuple[Region, ...]
     report: Report
@@ -34,6 +36,7 @@ class Solution:
     gap: float | None = None
     origin: str | None = None
     remat: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
 
     @property
     def peak_bytes(self) -> int:

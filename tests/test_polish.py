@@ -45,14 +45,15 @@ def test_the_default_limit_is_seconds_up_to_600_nodes() -> None:
 @pytest.mark.parametrize("start", ["sqrt", "dp"])
 def test_the_portfolio_returns_a_cheaper_plan_that_fits_or_its_start(gpt, start: str) -> None:
     """From ``sqrt``'s one-level plan (a hint) and from ``dp``'s (nested here, so from nothing):
-    the plan returned fits, is what the simulator says of it, and never costs more."""
+    the plan returned fits, is what the simulator says of it, never costs more, and keeps what
+    the solve before it skipped."""
     budget = int(0.8 * baseline_peak_bytes(gpt))
-    begin = (solve_sqrt if start == "sqrt" else solve_dp)(gpt, budget)
+    begin = (solve_sqrt if start == "sqrt" else solve_dp)(gpt, budget).but(skipped=("dp skipped: a reason",))
     found = polish.polish(gpt, budget, begin, SolveContext.limited(4))
     report = simulate(gpt, found.regions, remat=found.remat)
     assert report.peak_bytes == found.peak_bytes <= budget
     assert report.cost_seconds == pytest.approx(found.cost_seconds, rel=1e-12)
-    assert found.cost_seconds <= begin.cost_seconds
+    assert found.cost_seconds <= begin.cost_seconds and found.skipped == begin.skipped
     if found is not begin:
         assert found.solver == "ilp" and all(not region.children for region in found.regions)
         assert "portfolio" in found.note
