@@ -159,7 +159,7 @@ def test_large_graphs_of_blocks_are_solved_block_by_block_and_deterministically(
 
     first = plan_json()
     assert "block by block" in first and first == plan_json()
-    auto = ckptplan.solve(graph, 0.6, time_limit=3)
+    auto = ckptplan.solve(graph, 0.6, time_limit=1)
     assert "dp skipped" in auto.solver.note
 
 

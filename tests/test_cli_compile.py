@@ -60,7 +60,7 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def partition_file(model_file: Path) -> Path:
     torch._dynamo.reset()
     out = model_file.with_name("partition.json")
-    result = invoke("solve", model_file, "--budget", "0.8", "--compile", "--time-limit", "5", "--out", out)
+    result = invoke("solve", model_file, "--budget", "0.8", "--compile", "--time-limit", "2", "--out", out)
     assert result.exit_code == 0, result.output
     torch._dynamo.reset()
     return out
@@ -113,7 +113,7 @@ def test_an_autocast_partition_is_verified_under_autocast(model_file: Path) -> N
     """``--autocast`` plans the mixed-precision step; verify runs it under autocast and compares
     its gradients with those of the compiled step recomputing nothing."""
     out = model_file.with_name("autocast.json")
-    result = invoke("solve", model_file, "--budget", "0.8", "--compile", "--autocast", "bf16", "--time-limit", "3",
+    result = invoke("solve", model_file, "--budget", "0.8", "--compile", "--autocast", "bf16", "--time-limit", "2",
                     "--out", out)
     assert result.exit_code == 0, result.output
     plan = load_any_plan(out)

@@ -21,6 +21,10 @@ from ckptplan.solvers.partition import no_recompute, solve_partition
 from tests import models
 from tests.conftest import bits
 
+# The tests that compile with inductor run in one pytest-xdist worker (``--dist loadgroup`` in
+# pyproject.toml), which pays inductor's first compile (its C++ toolchain checks and headers) once.
+INDUCTOR = pytest.mark.xdist_group("inductor")
+
 
 def _mlp(dropout: float = 0.0, blocks: int = 4) -> nn.Module:
     """``models.norm_mlp``; two blocks where a test needs no more (each compile traces them all)."""
@@ -235,6 +239,7 @@ def _step_and_generator(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.get_rng_state()
 
 
+@INDUCTOR
 def test_a_replayed_dropout_mask_is_eager_s_and_the_generator_ends_as_eager_s() -> None:
     """Below the least peak that saving every dropout mask reaches (about 0.61 of the peak here),
     the backward draws masks again from the generator state the forward saved: the gradients
@@ -390,6 +395,7 @@ def test_the_partition_model_on_a_chain_by_hand() -> None:
     assert no_recompute(random) == frozenset({1, 2})
 
 
+@INDUCTOR
 def test_the_inductor_backend_takes_the_partition(monkeypatch) -> None:
     """Inductor compiles the graphs ckptplan cut; its kernels hold other buffers than the model
     counts, so ``compile`` measures the step, and leaves no gradients behind."""
@@ -522,6 +528,7 @@ def test_an_inductor_step_out_of_memory_when_measured_says_so_and_keeps_the_grad
         assert torch.equal(p.grad, grad)
 
 
+@INDUCTOR
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                     reason="inductor on CPU needs a C++ compiler")
 def test_inductor_writes_batch_norm_statistics_once_and_the_model_runs_the_writes() -> None:

@@ -50,7 +50,7 @@ def test_examples_predicted_peak_matches_memtracker(example_name: str) -> None:
     measured_peaks = []
     for fraction, solver in ((0.9, "sqrt"), (0.75, "sqrt"), (0.6, "auto")):
         try:
-            plan = ckptplan.solve(graph, fraction, solver=solver, time_limit=2)  # auto with a shorter search
+            plan = ckptplan.solve(graph, fraction, solver=solver, time_limit=1)  # auto with a shorter search
         except InfeasibleBudgetError:
             assert solver == "sqrt", "auto must reach the Quickstart's budget"
             continue
@@ -164,9 +164,9 @@ def test_every_solver_plan_trains_equally_within_budget(case: str) -> None:
     reference_loss.backward()
     for solver in ("sqrt", "dp", "ilp", "auto"):
         try:
-            plan = ckptplan.solve(graph, 0.7, solver=solver, time_limit=2)
+            plan = ckptplan.solve(graph, 0.7, solver=solver, time_limit=1)
         except InfeasibleBudgetError as error:
-            plan = ckptplan.solve(graph, error.min_peak_bytes, solver=solver, time_limit=2)
+            plan = ckptplan.solve(graph, error.min_peak_bytes, solver=solver, time_limit=1)
         emitted = ckptplan.emit(graph, plan)
         model.load_state_dict(state)
         model.zero_grad(set_to_none=True)
