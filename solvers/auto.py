@@ -25,8 +25,8 @@ def solve_auto(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext | None 
     and on larger ones made of repeated blocks (which it solves block by block), started from
     their plans, so it can only improve on them, until ``ctx``'s deadline (None: ``auto``'s
     default limit from now). Solvers registered by users run too. The plan records which solver
-    won, and what was skipped (``Solution.skipped``). When none fits, the error states the least peak of a plan one of
-    them made (``solvers.least``).
+    won, and what was skipped (``Solution.skipped``). When none fits, the error states the least
+    peak of a plan one of them made (``solvers.least``).
     """
     ctx = ctx if ctx is not None else SolveContext.limited(default_seconds("auto", len(graph.nodes)))
     plans: list[Solution] = []
