@@ -173,8 +173,10 @@ def with_remat(
             chose = "auto chose ilp: " if solver == "auto" else ""
             best = found.but(note=chose + found.note)
             ctx.report(cost_seconds=best.cost_seconds, peak_bytes=best.peak_bytes)
-    # What the plain solve skipped on ``graph``, whichever plan won.
-    return best.but(skipped=plain.skipped) if plain is not None else best
+    # What the plain solve skipped on ``graph`` (or, where it fit nothing, the solve on the
+    # rematerialised graph, of as many nodes), whichever plan won.
+    solved = plain if plain is not None else from_rematerialised
+    return best.but(skipped=solved.skipped) if solved is not None else best
 
 
 def _alone_first(
