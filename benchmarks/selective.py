@@ -22,6 +22,7 @@ import results_file  # benchmarks/results_file.py, beside this script
 import torch
 
 import ckptplan
+from ckptplan.cli.summary import op_name
 from ckptplan.simulation import baseline_peak_bytes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -37,12 +38,6 @@ def gpt_graph(width: int) -> ckptplan.ComputeGraph:
         model = module.GPT(n_layer=LAYERS, block_size=SEQ, n_embd=width, n_head=width // 64)
         ids = torch.randint(0, 256, (BATCH, SEQ))
     return ckptplan.profile(model, (ids, ids), outputs_live=False)
-
-
-def op_kind(op: str) -> str:
-    """``aten.linear.default`` -> ``linear``."""
-    parts = op.split(".")
-    return parts[1] if len(parts) > 1 else op
 
 
 def main() -> None:
@@ -70,7 +65,7 @@ def main() -> None:
         for region in plan.regions:
             for i in range(region.start, region.end):
                 node = graph.nodes[i]
-                kind = op_kind(node.op)
+                kind = op_name(node.op)
                 if node.name in region.keep:
                     kept[kind] += 1
                 elif kind not in views:
