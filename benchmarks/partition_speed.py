@@ -28,7 +28,8 @@ import ckptplan
 from ckptplan.joint import JointGraph
 from ckptplan.partition import simulate_partition
 from ckptplan.profiler.cost import FLOPS
-from ckptplan.solvers.orchestrate import PARTITION_SOLVERS, solve_partition_step
+from ckptplan.solvers import tuning
+from ckptplan.solvers.orchestrate import solve_partition_step
 from ckptplan.solvers.partition import no_recompute
 
 
@@ -47,14 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt-tiny,gpt2", help="comma-separated compare.py models")
     parser.add_argument("--fractions", default="0.8,0.5", help="budgets, as fractions of the no-recompute peak")
-    parser.add_argument("--solvers", default="greedy,auto,exact", help=f"of {', '.join(PARTITION_SOLVERS)}")
+    parser.add_argument("--solvers", default="greedy,auto,exact", help=f"of {', '.join(tuning.PARTITION_SECONDS)}")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds per search (default: each one's own)")
     options = parser.parse_args(argv)
     names = [n for n in options.models.split(",") if n]
     unknown = [n for n in names if n not in compare.CASES]
     solvers = [s for s in options.solvers.split(",") if s]
-    if unknown or any(s not in PARTITION_SOLVERS for s in solvers):
-        print(f"Unknown model or solver; models: {', '.join(compare.CASES)}; solvers: {', '.join(PARTITION_SOLVERS)}.",
+    if unknown or any(s not in tuning.PARTITION_SECONDS for s in solvers):
+        print(f"Unknown model or solver; models: {', '.join(compare.CASES)}; solvers: {', '.join(tuning.PARTITION_SECONDS)}.",
               file=sys.stderr)
         return 2
     fractions = [float(f) for f in options.fractions.split(",") if f]

@@ -529,11 +529,11 @@ def _check_compile_options(
 ) -> None:
     """``--compile``'s refusals, before anything is loaded: its solvers, and options of the eager
     step's profile that a compiled step does not take."""
-    from ckptplan.solvers.orchestrate import PARTITION_SOLVERS
+    from ckptplan.solvers import tuning
 
-    if solver not in PARTITION_SOLVERS:
+    if solver not in tuning.PARTITION_SECONDS:
         raise ckptplan.UnknownSolverError(
-            f"Unknown solver {solver!r} for --compile; choose one of: {', '.join(PARTITION_SOLVERS)}."
+            f"Unknown solver {solver!r} for --compile; choose one of: {', '.join(tuning.PARTITION_SECONDS)}."
         )
     if costs == Costs.here:
         raise ckptplan.CkptPlanError("--costs here is not available with --compile; use --costs a100 or flops.")

@@ -7,8 +7,7 @@ from collections.abc import Callable
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.repeats import find_blocks
-from ckptplan.solvers import ilp
-from ckptplan.solvers import ilp_tuning as tuning
+from ckptplan.solvers import ilp, tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.edges import at_unit_edges
 from ckptplan.solvers.ilp_flat import WARM_SOLVERS

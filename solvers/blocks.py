@@ -24,7 +24,7 @@ is made per block. So, in four steps:
    ``front[k]`` = the Pareto set of (``freed``, recompute cost) over policy choices for blocks
    ``0..k-1`` whose every event so far fits the budget; ``freed`` is the bytes those blocks
    free, exactly. To bound the set, states whose ``freed`` fall in the same ``unit`` of bytes
-   (``FREED_UNITS`` units span the most the blocks can free) keep only the cheapest one, which
+   (``tuning.FREED_UNITS`` units span the most the blocks can free) keep only the cheapest one, which
    loses optimality, never feasibility. Block k with policy p is allowed from a state when
    ``window_peak(p) + offset(k) - freed ≤ budget`` for both of its windows, where ``offset(k)``
    shifts the probe's windows to block k's place in the unplanned step.
@@ -48,6 +48,7 @@ from ckptplan.graph import ComputeGraph, Node, StaticMemory, Storage
 from ckptplan.region import Region
 from ckptplan.repeats import Block, find_blocks
 from ckptplan.simulation import Report, baseline_peak_bytes, simulate
+from ckptplan.solvers import tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_flat import solve_flat, starting_plan, warm_plans
 from ckptplan.solvers.ilp_model import keepable
@@ -57,39 +58,6 @@ from ckptplan.solvers.sqrt import least_peak_regions
 
 log = logging.getLogger(__name__)
 
-POLICY_BUDGETS = 3  # block budgets per ballast, evenly from its least to its unplanned peak
-# The ballasts: the rest of the step, in the block's activation bytes (0 favours a low peak inside
-# the block, more favours storing little). The largest is raised to the block's own unplanned
-# peak where that is more, so that the ballast's events are the block graph's peak whatever the
-# plan, and a budget bounds exactly what the block stores (docs/tuning.md, "blocks").
-BALLAST_SHARES = (0.0, 1.0, 4.0)
-# Extra solves with the largest ballast, each in the widest gap left on the frontier of (peak,
-# recompute cost) (``Frontier``), down to gaps of 1/FRONTIER_RESOLUTION of the budgets' range:
-# evenly spaced budgets miss the cheap plans that free a little (docs/tuning.md, "blocks").
-FRONTIER_SOLVES = 12
-FRONTIER_RESOLUTION = 100
-KEEP_STEPS = 4  # keep-set sizes of ranked_keep_policies: 0, 1/4, ..., all of the keepable nodes
-SMALL_REGION_NODES = 4  # small_region_policies: regions of at most this many nodes,
-SMALL_REGION_POLICIES = 4  # the best 1, 2, ..., this many of them
-# What measuring them costs (about 4 simulations of the block per node: quadratic in its size),
-# per pair of the block's nodes, out of the block's seconds (docs/tuning.md, "blocks").
-SMALL_REGION_SECONDS_PER_PAIR = 80e-6
-FREED_UNITS = 4000  # buckets of freed bytes in which the choice DP keeps one state
-MAX_REPAIRS = 4  # re-choices with a lowered budget when the assembled plan overshoots
-# With this many seconds per block solve, the lowest budget tried is the least peak the flat ilp
-# finds (docs/tuning.md, "blocks").
-THOROUGH_SECONDS = 0.2
-# Below this many seconds per block solve, there are no flat solves: building and solving each
-# small model costs more than its limit (docs/tuning.md, "blocks").
-MIN_SOLVE_SECONDS = 0.05
-# What block policies cost beyond the limits they are given, per node of the block, so that the
-# split of ``seconds`` depends on the graph and never on the clock (plans stay reproducible): a
-# flat solve beyond its CP-SAT limit (model build, hint completion, the solver's start), dp's warm
-# plan, and one quick policy (ballast, budget) (docs/tuning.md, "blocks").
-SOLVE_SECONDS_PER_NODE = 0.0045
-DP_SECONDS_PER_NODE = 0.0013
-QUICK_SECONDS_PER_NODE = 0.0045
-MIN_BLOCK_NODES = 4  # smaller blocks leave nothing to decide inside them: no decomposition
 
 
 @dataclass(frozen=True)
@@ -196,14 +164,14 @@ def block_graph(graph: ComputeGraph, block: Block, ballast_bytes: int = 0) -> Co
 def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list[tuple[Region, ...]]:
     """Candidate policies for ``block`` (relative regions, keep-sets naming the block's nodes):
     none, ``ranked_keep_policies``, ``small_region_policies`` (whose measuring comes out of
-    ``seconds``), and the flat ilp's plans of ``block_graph`` at ``POLICY_BUDGETS`` budgets from
-    a least peak to its unplanned peak, for each ballast of ``BALLAST_SHARES``, and with the
-    largest ballast at ``FRONTIER_SOLVES`` more budgets where its frontier has the widest gaps.
+    ``seconds``), and the flat ilp's plans of ``block_graph`` at ``tuning.POLICY_BUDGETS`` budgets from
+    a least peak to its unplanned peak, for each ballast of ``tuning.BALLAST_SHARES``, and with the
+    largest ballast at ``tuning.FRONTIER_SOLVES`` more budgets where its frontier has the widest gaps.
     Each solve starts from the ranked policies, the plans found so far and the ``sqrt`` and
     ``dp`` plans; the least peak is the lowest of theirs, or the flat ilp's when ``seconds``
-    allows ``THOROUGH_SECONDS`` per solve. ``seconds`` is shared out by the block's size
-    (``SOLVE_SECONDS_PER_NODE`` and its siblings), not by the clock, so every run makes the same
-    solves with the same limits. Below ``MIN_SOLVE_SECONDS`` per solve there are no flat solves:
+    allows ``tuning.THOROUGH_SECONDS`` per solve. ``seconds`` is shared out by the block's size
+    (``tuning.BLOCK_SOLVE_SECONDS_PER_NODE`` and its siblings), not by the clock, so every run makes the same
+    solves with the same limits. Below ``tuning.BLOCK_MIN_SOLVE_SECONDS`` per solve there are no flat solves:
     each budget's policy is the ilp's starting plan instead (``ilp_flat.starting_plan``: those warm
     plans with keeps added or shed by ``solvers.refine``), for as many ballasts and budgets, in
     order, as ``seconds`` pays for. ``seconds`` is ``ctx.limit``; the solves end by its deadline."""
@@ -214,19 +182,21 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
     found: list[tuple[Region, ...]] = [(), *ranked, *small_region_policies(graph, block, alone)]
     activation = sum(graph.saved_bytes(i) for i in range(block.start, block.end))
     nodes = length + 1  # the block graph's, with its ballast
-    seconds = max(0.0, seconds - SMALL_REGION_SECONDS_PER_PAIR * length**2)  # what the small regions took
+    seconds = max(0.0, seconds - tuning.SMALL_REGION_SECONDS_PER_PAIR * length**2)  # what the small regions took
     # per solve; dp's limit for its warm plans
-    slot = seconds / (len(BALLAST_SHARES) * (POLICY_BUDGETS + 1) + FRONTIER_SOLVES)
+    slot = seconds / (len(tuning.BALLAST_SHARES) * (tuning.POLICY_BUDGETS + 1) + tuning.FRONTIER_SOLVES)
     # dp's plans warm-start every solve (docs/tuning.md, "blocks")
-    per_solve = slot - (SOLVE_SECONDS_PER_NODE + DP_SECONDS_PER_NODE) * nodes  # the CP-SAT limit of each
-    thorough = per_solve >= THOROUGH_SECONDS
+    # the CP-SAT limit of each
+    per_solve = slot - (tuning.BLOCK_SOLVE_SECONDS_PER_NODE + tuning.BLOCK_DP_SECONDS_PER_NODE) * nodes
+    thorough = per_solve >= tuning.THOROUGH_SECONDS
     # Too short for CP-SAT solves: each budget's policy is the ilp's refined starting plan
     # (docs/tuning.md, "blocks").
-    quick = per_solve < MIN_SOLVE_SECONDS
-    quick_left = int(seconds / (QUICK_SECONDS_PER_NODE * nodes))  # starting plans paid for, in the loops' order
-    for share in BALLAST_SHARES:
+    quick = per_solve < tuning.BLOCK_MIN_SOLVE_SECONDS
+    # starting plans paid for, in the loops' order
+    quick_left = int(seconds / (tuning.BLOCK_QUICK_SECONDS_PER_NODE * nodes))
+    for share in tuning.BALLAST_SHARES:
         ballast = int(share * activation)
-        sub = block_graph(graph, block, max(ballast, alone) if share == BALLAST_SHARES[-1] else ballast)
+        sub = block_graph(graph, block, max(ballast, alone) if share == tuning.BALLAST_SHARES[-1] else ballast)
         top = baseline_peak_bytes(sub)
         # The ranked policies warm-start each solve, and with sqrt's least-peak plan they set the
         # lowest budget tried when time is short: simulating them is cheap, where the flat
@@ -244,14 +214,14 @@ def block_policies(graph: ComputeGraph, block: Block, ctx: SolveContext) -> list
                 least = min(least, error.min_peak_bytes)
         frontier = Frontier()
         frontier.add(top, solution(sub, (), "none", status="optimal"))
-        resolution = max(1, (top - least) // FRONTIER_RESOLUTION)
-        for k in range(POLICY_BUDGETS + (FRONTIER_SOLVES if share == BALLAST_SHARES[-1] else 0)):
+        resolution = max(1, (top - least) // tuning.FRONTIER_RESOLUTION)
+        for k in range(tuning.POLICY_BUDGETS + (tuning.FRONTIER_SOLVES if share == tuning.BALLAST_SHARES[-1] else 0)):
             if quick:
                 if quick_left <= 0:
                     break
                 quick_left -= 1
-            if k < POLICY_BUDGETS:
-                budget = least + (top - least) * k // POLICY_BUDGETS
+            if k < tuning.POLICY_BUDGETS:
+                budget = least + (top - least) * k // tuning.POLICY_BUDGETS
             else:
                 gap = frontier.widest_gap(resolution=resolution)
                 if gap is None:
@@ -320,7 +290,7 @@ class Frontier:
 
 def ranked_keep_policies(graph: ComputeGraph, block: Block) -> list[tuple[Region, ...]]:
     """One region over the block keeping the ``k`` nodes whose recomputation costs most per byte
-    kept, for ``k`` from none to all (``KEEP_STEPS`` steps), and keeping exactly the nodes with
+    kept, for ``k`` from none to all (``tuning.KEEP_STEPS`` steps), and keeping exactly the nodes with
     FLOPs (the matmul outputs, which Megatron's selective recompute keeps; Korthikanti et al.
     2022). Fast to make, and a frame for the ilp's finer plans."""
     ranked = sorted(
@@ -328,7 +298,7 @@ def ranked_keep_policies(graph: ComputeGraph, block: Block) -> list[tuple[Region
         key=lambda i: (-keep_priority(graph, i), i),
     )
     length = block.end - block.start
-    keep_sets = [ranked[: len(ranked) * k // KEEP_STEPS] for k in range(KEEP_STEPS + 1)]
+    keep_sets = [ranked[: len(ranked) * k // tuning.KEEP_STEPS] for k in range(tuning.KEEP_STEPS + 1)]
     keep_sets.append([i for i in ranked if graph.nodes[i].fwd_flops > 0])
     policies = []
     for keep in keep_sets:
@@ -338,11 +308,11 @@ def ranked_keep_policies(graph: ComputeGraph, block: Block) -> list[tuple[Region
 
 
 def small_region_policies(graph: ComputeGraph, block: Block, ballast_bytes: int) -> list[tuple[Region, ...]]:
-    """Regions of at most ``SMALL_REGION_NODES`` nodes, without keep-sets: each such region is
+    """Regions of at most ``tuning.SMALL_REGION_NODES`` nodes, without keep-sets: each such region is
     measured alone on ``block_graph`` with ``ballast_bytes``, the block graph's own unplanned
     peak, as ballast (so its peak falls by what the block stores less), and, in order of bytes freed per second of recompute,
     those not overlapping a better one are taken; the policies are the first 1, 2, ...,
-    ``SMALL_REGION_POLICIES`` of them (a region that frees bytes at no cost first). Recomputing
+    ``tuning.SMALL_REGION_POLICIES`` of them (a region that frees bytes at no cost first). Recomputing
     attention's core alone, the heart of Megatron's selective recompute (Korthikanti et al.
     2022), is such a policy; the ranked keep policies, one region over the whole block, reach it
     only by keeping every other op at a dispatch cost each (what that costs: docs/tuning.md,
@@ -354,7 +324,7 @@ def small_region_policies(graph: ComputeGraph, block: Block, ballast_bytes: int)
     for start in range(lo, block.end):
         if start not in graph.boundaries:
             continue
-        for end in range(start + 1, min(start + SMALL_REGION_NODES, block.end) + 1):
+        for end in range(start + 1, min(start + tuning.SMALL_REGION_NODES, block.end) + 1):
             if end not in graph.boundaries:
                 continue
             report = simulate(sub, (Region(start - lo, end - lo),))
@@ -364,7 +334,7 @@ def small_region_policies(graph: ComputeGraph, block: Block, ballast_bytes: int)
                 scored.append((-per_second, start - lo, end - lo))
     chosen: list[Region] = []
     for _, start, end in sorted(scored):
-        if len(chosen) == SMALL_REGION_POLICIES:
+        if len(chosen) == tuning.SMALL_REGION_POLICIES:
             break
         if all(end <= r.start or r.end <= start for r in chosen):
             chosen.append(Region(start, end))
@@ -429,9 +399,9 @@ def block_windows(blocks: Sequence[Block], base: Report) -> Windows:
 def decompose(graph: ComputeGraph, ctx: SolveContext) -> tuple[Decomposition, Windows] | None:
     """Blocks, their policies (found in ``ctx.limit`` seconds, shared by the classes of blocks)
     and measured effects; None when the graph has no repeated blocks of at least
-    ``MIN_BLOCK_NODES`` nodes."""
+    ``tuning.MIN_BLOCK_NODES`` nodes."""
     blocks, class_of = find_blocks(graph)
-    if max((b.end - b.start for b in blocks), default=0) < MIN_BLOCK_NODES:
+    if max((b.end - b.start for b in blocks), default=0) < tuning.MIN_BLOCK_NODES:
         return None
     windows = block_windows(blocks, simulate(graph, ()))
     classes = max(class_of) + 1
@@ -458,7 +428,7 @@ def choose(dec: Decomposition, windows: Windows, budget_bytes: int) -> list[int]
     """One policy index per block minimising total recompute cost under the additive model
     (``front`` as defined in the module docstring); None when no choice fits."""
     most_freed = sum(max(0, *(e.freed_bytes for e in dec.policies[c])) for c in dec.class_of)
-    unit = max(1, math.ceil(most_freed / FREED_UNITS))
+    unit = max(1, math.ceil(most_freed / tuning.FREED_UNITS))
     front: list[tuple[int, float, tuple | None]] = [(0, 0.0, None)]  # (freed bytes, cost, choices)
     for k in range(len(dec.blocks) + 1):
         front = [state for state in front if windows.outside_peak[k] - state[0] <= budget_bytes]
@@ -506,9 +476,9 @@ def solve_blocks(
 ) -> tuple[tuple[Region, ...], Report, int] | None:
     """The cheapest assembled plan that ``simulate`` confirms within ``budget_bytes``: choose,
     simulate, and on an overshoot choose again below the budget by that much (at most
-    ``MAX_REPAIRS`` times). Returns (regions, report, repairs) or None."""
+    ``tuning.BLOCK_MAX_REPAIRS`` times). Returns (regions, report, repairs) or None."""
     target = budget_bytes
-    for repairs in range(MAX_REPAIRS + 1):
+    for repairs in range(tuning.BLOCK_MAX_REPAIRS + 1):
         picked = choose(dec, windows, target)
         if picked is None:
             return None

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from ckptplan.graph import ComputeGraph
 from ckptplan.sharding import unit_edges
+from ckptplan.solvers import tuning
 
 
 @dataclass(frozen=True)
@@ -83,13 +84,9 @@ class Chain:
         return self.region_cost + self.region_op_cost * (self.span(d)[1] - self.starts[k])
 
 
-# A cut may split a tensor off from its readers (making it a skip) only if such tensors are at
-# most this share of what crosses the cut: an attention mask shared by all layers may be
-# carried, a residual stream may not.
-SKIP_SHARE = 1 / 16
 
 
-def stage_starts(graph: ComputeGraph, max_stages: int = 32, skip_share: float = SKIP_SHARE) -> list[int]:
+def stage_starts(graph: ComputeGraph, max_stages: int = 32, skip_share: float = tuning.SKIP_SHARE) -> list[int]:
     """Stage starts: 0 and the *clean* region boundaries, at most ``max_stages`` stages.
 
     A boundary k is clean when the activations live across it that were made before the

@@ -10,17 +10,9 @@ from ortools.sat.python import cp_model
 from ckptplan.errors import CkptPlanError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Region
+from ckptplan.solvers import tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_model import IlpVars
-
-MIN_WALL_SECONDS = 1.0  # the wall-clock backup of even the shortest search
-# From this many workers on, CP-SAT runs its own portfolio (what its documentation recommends:
-# one worker per core). Below it, a portfolio's full-problem workers are only
-# ``BOUND_SUBSOLVERS``, beside CP-SAT's first-solution and neighbourhood workers: its LP with cuts
-# and symmetry, which raises the lower bound, and its tree search on the LP bound, which closes
-# proofs where the LP bound stalls (docs/tuning.md, "cpsat").
-FULL_PORTFOLIO_WORKERS = 8
-BOUND_SUBSOLVERS = ("max_lp_sym", "lb_tree_search")
 
 
 def extract_regions(graph: ComputeGraph, v: IlpVars, value) -> tuple[Region, ...]:
@@ -83,14 +75,14 @@ def hint_complete(
 ) -> None:
     """Hint every variable, not just the decisions, of the plan of ``regions`` rematerialising
     ``remat``: a copy of the model with the plan fixed is solved for the values of the derived
-    variables (CP-SAT repairs partial hints slowly). Within ``HINT_SECONDS`` and ``ctx``'s
+    variables (CP-SAT repairs partial hints slowly). Within ``tuning.HINT_SECONDS`` and ``ctx``'s
     deadline; the decisions alone are hinted otherwise."""
     fixed = model.Clone()
     fix_plan(fixed, graph, v, regions, remat=remat)
     fixed.ClearObjective()
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = min(HINT_SECONDS, ctx.left())
+    solver.parameters.max_time_in_seconds = min(tuning.HINT_SECONDS, ctx.left())
     if solve_interruptibly(solver, fixed, ctx) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         fix_plan(model, graph, v, regions, free=range(len(graph.nodes)), remat=remat)
         return
@@ -99,7 +91,6 @@ def hint_complete(
         model.AddHint(var, solver.Value(fixed.GetIntVarFromProtoIndex(index)))
 
 
-HINT_SECONDS = 10.0  # the most a complete hint may take (a copy of the model with the plan fixed)
 STOP_POLL_SECONDS = 0.05  # how often the main thread checks for Ctrl-C, and re-asks CP-SAT to stop
 
 
@@ -155,15 +146,15 @@ def configure(
     """Limits and search parameters. One worker stopped by CP-SAT's deterministic clock finds the
     same plan on every run: callers give it ``DETERMINISTIC_SECONDS_PER_SECOND`` of the time they
     were *asked* to take (never of what is left, which depends on the machine's load), and the
-    wall-clock limit only backs it up (at least ``MIN_WALL_SECONDS``, so that a short search on a
+    wall-clock limit only backs it up (at least ``tuning.MIN_WALL_SECONDS``, so that a short search on a
     loaded machine still ends on its deterministic clock). More workers search better but not
-    reproducibly; fewer than ``FULL_PORTFOLIO_WORKERS`` run ``BOUND_SUBSOLVERS`` as their full-problem
+    reproducibly; fewer than ``tuning.FULL_PORTFOLIO_WORKERS`` run ``tuning.BOUND_SUBSOLVERS`` as their full-problem
     workers, as many as leave one worker to CP-SAT's first-solution and neighbourhood subsolvers."""
-    solver.parameters.max_time_in_seconds = max(MIN_WALL_SECONDS, wall_seconds)
+    solver.parameters.max_time_in_seconds = max(tuning.MIN_WALL_SECONDS, wall_seconds)
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
-    if 1 < workers < FULL_PORTFOLIO_WORKERS:
-        solver.parameters.subsolvers.extend(BOUND_SUBSOLVERS[: workers - 1])
+    if 1 < workers < tuning.FULL_PORTFOLIO_WORKERS:
+        solver.parameters.subsolvers.extend(tuning.BOUND_SUBSOLVERS[: workers - 1])
     if workers == 1:
         solver.parameters.max_deterministic_time = max(0.01, deterministic_seconds)
 

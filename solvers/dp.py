@@ -47,7 +47,8 @@ from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.region import Region
 from ckptplan.simulation import Report, baseline_peak_bytes, simulate
-from ckptplan.solvers.chain import SKIP_SHARE, Chain, build_chain, stage_starts
+from ckptplan.solvers import tuning
+from ckptplan.solvers.chain import Chain, build_chain, stage_starts
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.dp_curve import CostCurve, StageUnits, cost_curve
 from ckptplan.solvers.memo import graph_memo
@@ -58,11 +59,6 @@ from ckptplan.units import describe_bytes
 log = logging.getLogger(__name__)
 
 INF = math.inf
-DEFAULT_MEM_UNITS = 1000  # memory resolution: resident memory to the no-checkpoint peak in this many units
-# What one candidate chain's curve is budgeted per node under a time limit: the limit buys
-# ``time_limit / (CHAIN_SECONDS_PER_NODE * nodes)`` chains (at least one), a count and not the
-# clock, so a plan does not depend on the machine's load (docs/tuning.md, "dp").
-CHAIN_SECONDS_PER_NODE = 0.0013
 MAX_MEM_UNITS = 16384  # the finest resolution a caller's ``mem_unit`` may ask for
 
 
@@ -193,21 +189,16 @@ class _Found:
     least_search: bool = False
 
 
-# Stage chains tried on graphs with skips (``chain.stage_starts``'s ``skip_share``): clean cuts
-# only, cuts leaving a quarter of the crossing bytes as skips, any cut. A finer chain allows more
-# region edges but charges more skips conservatively; neither contains the other's plans.
-CHAIN_SKIP_SHARES = (SKIP_SHARE, 1 / 4, 1.0)
-MAX_REPAIRS = 4  # re-solves below the budget when a merged-stage plan overshoots under simulate
 
 
 def candidate_chains(graph: ComputeGraph) -> list[Chain]:
-    """The distinct stage chains of ``CHAIN_SKIP_SHARES``, clean cuts first (one on a pure
+    """The distinct stage chains of ``tuning.CHAIN_SKIP_SHARES``, clean cuts first (one on a pure
     chain), then, on a graph with skips, the chain cut where the segments of ``sqrt``'s
     least-peak plan start and end: Chen's greedy places its cuts by the bytes that cross them,
     which the fixed shares above cannot. None depends on the budget, so the best of them costs
     no less at a lower budget."""
     chains: dict[tuple[int, ...], Chain] = {}
-    for share in CHAIN_SKIP_SHARES:
+    for share in tuning.CHAIN_SKIP_SHARES:
         starts = stage_starts(graph, skip_share=share)
         if tuple(starts) not in chains:
             chains[tuple(starts)] = build_chain(graph, starts)
@@ -232,10 +223,10 @@ def _segment_cuts(graph: ComputeGraph) -> list[int]:
 
 def chain_curve(graph: ComputeGraph, chain: Chain, mem_unit: int | None = None) -> CostCurve:
     """``chain``'s cost at every budget up to the no-checkpoint peak, at ``mem_unit`` (default:
-    that range above resident memory over ``DEFAULT_MEM_UNITS``, rounded up; never finer than
+    that range above resident memory over ``tuning.DEFAULT_MEM_UNITS``, rounded up; never finer than
     ``MAX_MEM_UNITS`` units over it, since the tables hold one entry per unit)."""
     span = max(1, baseline_peak_bytes(graph) - chain.resident_bytes)
-    unit = max(mem_unit or -(-span // DEFAULT_MEM_UNITS), -(-span // MAX_MEM_UNITS), 1)
+    unit = max(mem_unit or -(-span // tuning.DEFAULT_MEM_UNITS), -(-span // MAX_MEM_UNITS), 1)
     return cost_curve(chain, baseline_peak_bytes(graph), unit)
 
 
@@ -249,14 +240,14 @@ def solve_dp(
     """Optimal nested checkpoint regions for ``graph``'s stage chain within ``budget_bytes``.
 
     ``mem_unit``: bytes per DP memory unit. Default: the range from resident memory to the
-    no-checkpoint peak over ``DEFAULT_MEM_UNITS`` (exact bytes when the range is smaller); at
+    no-checkpoint peak over ``tuning.DEFAULT_MEM_UNITS`` (exact bytes when the range is smaller); at
     most ``MAX_MEM_UNITS`` units over that range, whatever is asked. Every
     quantity is rounded up to units, so coarser units solve faster but may miss plans that fit
     within one unit per held item of the budget; the plan is optimal at its unit. One pass of
     the DP answers every budget (``solvers.dp_curve``).
 
     On a graph with skips, each of ``candidate_chains`` is solved and the cheapest plan wins
-    (under ``ctx``'s limit, at most ``CHAIN_SECONDS_PER_NODE`` per node for each chain tried
+    (under ``ctx``'s limit, at most ``tuning.CHAIN_SECONDS_PER_NODE`` per node for each chain tried
     after the first). On a chain of one-node
     stages the DP's memory model is the simulator's, so the plan is optimal. Merged stages are
     modelled conservatively in most respects, but not all (a merged stage's internal gradient
@@ -281,7 +272,7 @@ def solve_dp(
     lowest: _Found | None = None  # the least-peak plan of the chains tried
     limit = math.inf if ctx is None else ctx.limit
     most_chains = len(chains) if math.isinf(limit) else max(
-        1, math.floor(limit / (CHAIN_SECONDS_PER_NODE * max(1, len(graph.nodes))))
+        1, math.floor(limit / (tuning.CHAIN_SECONDS_PER_NODE * max(1, len(graph.nodes))))
     )
     for index in range(len(chains)):
         if best is not None and index >= most_chains:
@@ -340,10 +331,10 @@ class _GraphCurves:
 
 
 def _checked(graph: ComputeGraph, curve: CostCurve, budget_bytes: int) -> _Found | None:
-    """The curve's plan at the budget, or (at most ``MAX_REPAIRS`` times) at the budget lowered
+    """The curve's plan at the budget, or (at most ``tuning.DP_MAX_REPAIRS`` times) at the budget lowered
     by what ``simulate`` says the last one overshot, until one fits."""
     target = budget_bytes
-    for repaired in range(MAX_REPAIRS + 1):
+    for repaired in range(tuning.DP_MAX_REPAIRS + 1):
         if curve.cost(target) == INF:
             return None
         regions = curve.regions(target)

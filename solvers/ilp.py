@@ -16,7 +16,7 @@ never returns anything worse than them. Every plan is simulated before it is tak
 
 Here: the entry point (``solve_ilp``, which picks the phases) and the block-by-block mode
 (``solve_hierarchical``, ``keep_more``); the whole-graph pipeline is ``solvers.ilp_flat``, and the
-constants sizing both are ``solvers.ilp_tuning``.
+constants sizing both are ``solvers.tuning``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from collections.abc import Sequence
 from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.simulation import baseline_peak_bytes
-from ckptplan.solvers import blocks, registry
-from ckptplan.solvers import ilp_tuning as tuning
+from ckptplan.solvers import blocks, registry, tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_flat import (
     HIERARCHICAL,

@@ -1,7 +1,7 @@
 """``ilp`` on the whole graph as one CP-SAT model: where the search starts (the warm plans of
 ``sqrt`` and ``dp``, refined), the reproducible search (the lazy search, then ``improve_locally``,
 a large-neighbourhood search), the proof phase, and the least peak one-level plans reach. Its
-phases are sized by ``ilp_tuning``."""
+phases are sized by ``tuning``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.region import Region
 from ckptplan.simulation import baseline_peak_bytes, simulate
-from ckptplan.solvers import ilp_tuning as tuning
+from ckptplan.solvers import tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import configure, extract_regions, fix_plan, hint_complete, solve_interruptibly
 from ckptplan.solvers.ilp_lazy import DEFERRED_PHASES, LazyResult, proof_search, search_lazily

@@ -38,10 +38,9 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Region
 from ckptplan.remat import conflicts, deep_chains
 from ckptplan.simulation import Report, simulate
+from ckptplan.solvers import tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import (
-    FULL_PORTFOLIO_WORKERS,
-    MIN_WALL_SECONDS,
     configure,
     extract_regions,
     extract_remat,
@@ -54,20 +53,6 @@ from ckptplan.solvers.ilp_model import COST_SCALE, IlpVars, add_bounding_clauses
 log = logging.getLogger(__name__)
 
 DEFERRED_PHASES = frozenset({"backward", "recompute"})
-PROOF_WORKERS = 3  # the proof phase's workers on fewer cores than FULL_PORTFOLIO_WORKERS
-# Deferred rows stated up front: those of the events where the start plan holds the most bytes.
-# The reproducible search (one worker) states 8 and adds every row a plan breaks: its first plans
-# break rows near the start plan's peak, and each round that then restarts pays CP-SAT's presolve
-# again. The proof phase states one and adds, per round, the row of the fullest event the plan
-# that stopped it breaks: each row brings the ``alive``, copy and recompute variables it reads,
-# and rows that do not bind at the optimum still weaken the LP bound (docs/tuning.md, "ilp_lazy").
-SEEDED_ROWS = 8
-PROOF_SEEDED_ROWS = 1
-PROOF_ROWS_PER_ROUND = 1
-# From a start with a region longer than the model's window (no hint): at least this many rows
-# up front, and every row a plan breaks joins (docs/tuning.md, "ilp_lazy").
-UNHINTED_SEEDED_ROWS = 4
-MIN_CLOCK_SECONDS = 0.01  # a deterministic clock with less left than this ends the search
 
 
 @dataclass(frozen=True)
@@ -140,10 +125,10 @@ def _cores() -> int:
 
 def proof_workers() -> int:
     """The proof phase's CP-SAT workers: one per core where CP-SAT's own portfolio fits
-    (``cpsat.FULL_PORTFOLIO_WORKERS`` cores or more), else ``PROOF_WORKERS``, which
+    (``tuning.FULL_PORTFOLIO_WORKERS`` cores or more), else ``tuning.PROOF_WORKERS``, which
     ``cpsat.configure`` gives its bound-raising workers (``BOUND_SUBSOLVERS``)."""
     cores = _cores()
-    return cores if cores >= FULL_PORTFOLIO_WORKERS else PROOF_WORKERS
+    return cores if cores >= tuning.FULL_PORTFOLIO_WORKERS else tuning.PROOF_WORKERS
 
 
 def search_workers() -> int:
@@ -218,8 +203,8 @@ def proof_search(
     announce: bool = True,
     remat: Sequence[int] = (),
     start_remat: tuple[str, ...] = (),
-    seeded_rows: int = PROOF_SEEDED_ROWS,
-    rows_per_round: int | None = PROOF_ROWS_PER_ROUND,
+    seeded_rows: int = tuning.PROOF_SEEDED_ROWS,
+    rows_per_round: int | None = tuning.PROOF_ROWS_PER_ROUND,
     light_presolve: bool = False,
     workers: int | None = None,
 ) -> LazyResult:
@@ -296,7 +281,7 @@ def search_lazily(
     bound: float = 0.0,
     announce: bool = True,
     deferred_phases: frozenset[str] = DEFERRED_PHASES,
-    seeded_rows: int = SEEDED_ROWS,
+    seeded_rows: int = tuning.SEEDED_ROWS,
     rows_per_round: int | None = None,
     within: RecomputeAtMost | None = None,
     remat: Sequence[int] = (),
@@ -314,7 +299,7 @@ def search_lazily(
     only bounds the cost, and hints the search if it lies in the range; a range without plans
     ends ``OPTIMAL``: none is cheaper). A ``regions`` with a region longer than ``window``
     nodes is no plan of the model either: no round has a hint to start from, at least
-    ``UNHINTED_SEEDED_ROWS`` rows join up front, every row a plan breaks joins after it, and
+    ``tuning.UNHINTED_SEEDED_ROWS`` rows join up front, every row a plan breaks joins after it, and
     only the plans cheaper than ``regions`` count, though CP-SAT is free to pass through dearer
     ones (the search ends ``OPTIMAL`` when none of the model's plans is cheaper). ``remat``:
     rematerialisation candidates (``ckptplan.remat``) the joint model decides beside the
@@ -345,8 +330,8 @@ def search_lazily(
         outside = (within is not None and not within.holds(report)) or unstated
         if unstated and within is None:
             # No hint: every round starts from no plan, and stops at the first of CP-SAT's own
-            # plans that breaks a row (docs/tuning.md, "ilp_lazy", ``UNHINTED_SEEDED_ROWS``).
-            seeded_rows, rows_per_round = max(seeded_rows, UNHINTED_SEEDED_ROWS), None
+            # plans that breaks a row (docs/tuning.md, "ilp_lazy", ``tuning.UNHINTED_SEEDED_ROWS``).
+            seeded_rows, rows_per_round = max(seeded_rows, tuning.UNHINTED_SEEDED_ROWS), None
         seeded = _seed_rows(v, report, seeded_rows)
         if outside:
             hinted = None
@@ -355,18 +340,18 @@ def search_lazily(
                 # it finds; only plans no dearer matter (model costs are within ``slack`` of
                 # simulated ones). Without a range the search is not bounded so: from no hint,
                 # CP-SAT's first plans are often dearer than the start, and its neighbourhood
-                # workers improve on them (docs/tuning.md, "ilp_lazy", ``UNHINTED_SEEDED_ROWS``).
+                # workers improve on them (docs/tuning.md, "ilp_lazy", ``tuning.UNHINTED_SEEDED_ROWS``).
                 model.Add(v.cost <= math.floor(best_cost * COST_SCALE) + slack)
     clock = deterministic_seconds if workers == 1 else None
     status, rounds = "UNKNOWN", 0
     scored = announce and within is None  # the whole graph's search: its plans and bound are the solve's
     while not ctx.cancelled:
         left = phase.left()
-        if clock is not None and clock < MIN_CLOCK_SECONDS:
+        if clock is not None and clock < tuning.MIN_CLOCK_SECONDS:
             break
-        # The first round always runs (for at least MIN_WALL_SECONDS: see ``configure``); later
+        # The first round always runs (for at least tuning.MIN_WALL_SECONDS: see ``configure``); later
         # ones while the wall clock lasts, or, for the portfolio, while a round can still get going.
-        if rounds and left < (MIN_WALL_SECONDS if clock is None else 0.0):
+        if rounds and left < (tuning.MIN_WALL_SECONDS if clock is None else 0.0):
             break
         rounds += 1
         if hinted is not None:

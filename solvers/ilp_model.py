@@ -90,11 +90,11 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.remat import chains, conflicts, deep_chains, savers
 from ckptplan.sharding import unit_edges
 from ckptplan.simulation import gradient_bytes, made_at_early_stop, why_not_keep
+from ckptplan.solvers import tuning
 
 # A memory row: ``live <= peak`` when every literal of ``enforce`` holds.
 Row = tuple[cp_model.LinearExprT, list]
 COST_SCALE = 2.0**40  # integer cost units per second (synthetic test costs are exact multiples)
-DEFAULT_WINDOW = 128  # longest region, in nodes, the model considers on graphs longer than this
 
 
 @dataclass
@@ -790,7 +790,7 @@ def keepable(graph: ComputeGraph, t: int) -> bool:
 def region_window(graph: ComputeGraph, window: int | None) -> int:
     """The most nodes one region may span in the model ``build_model(graph, window=window)``."""
     n = len(graph.nodes)
-    return max(1, min(DEFAULT_WINDOW if window is None else window, n))
+    return max(1, min(tuning.DEFAULT_WINDOW if window is None else window, n))
 
 
 def build_model(
@@ -803,7 +803,7 @@ def build_model(
     ``vars.peak`` for the least reachable peak.
 
     ``window``: the most nodes one region may span (default: all of them on graphs of up to
-    ``DEFAULT_WINDOW`` nodes, else ``DEFAULT_WINDOW``); the model grows as nodes × window.
+    ``tuning.DEFAULT_WINDOW`` nodes, else ``tuning.DEFAULT_WINDOW``); the model grows as nodes × window.
 
     ``deferred_phases``: simulator phases (``"forward"``, ``"backward"``, ``"recompute"``) whose
     memory rows are left out of the model and kept in ``vars.deferred`` by event

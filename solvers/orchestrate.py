@@ -16,24 +16,16 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.joint import JointGraph
 from ckptplan.plan import BudgetInfo, Plan, SolverInfo
 from ckptplan.simulation import baseline_peak_bytes, simulate
-from ckptplan.solvers import ilp_tuning as tuning
+from ckptplan.solvers import tuning
 from ckptplan.solvers.context import Progress, SolveContext
 from ckptplan.solvers.edges import at_unit_edges
 from ckptplan.solvers.least import least_plan
 from ckptplan.solvers.partition import Partition, solve_partition
-from ckptplan.solvers.polish import SHARE as POLISH_SHARE
 from ckptplan.solvers.polish import polish, polishes
 from ckptplan.solvers.registry import default_seconds, get_solver
 from ckptplan.solvers.remat_plans import with_remat
 from ckptplan.solvers.solution import Solution, run_kernel
 from ckptplan.units import describe_bytes, parse_budget
-
-# The phases end this long before the limit's end: CP-SAT returns up to about a tenth of a second
-# after its wall-clock limit on models of a few hundred nodes, and the plan found is simulated a
-# few times after the search (``FINISH_SIMULATIONS`` of the whole graph, each priced as
-# ``ilp_tuning.LARGE_SIMULATE_SECONDS_PER_NODE``) (docs/tuning.md, "Default time limits").
-STOP_SECONDS = 0.1
-FINISH_SIMULATIONS = 4
 
 
 def solve(
@@ -71,7 +63,7 @@ def solve(
         if remat:
             found = with_remat(graph, budget_bytes, run, ctx, solver)
         elif polishes(graph, solver, ctx.limit):
-            found = polish(graph, budget_bytes, run(graph, ctx.within(ctx.limit * (1 - POLISH_SHARE))), ctx)
+            found = polish(graph, budget_bytes, run(graph, ctx.within(ctx.limit * (1 - tuning.POLISH_SHARE))), ctx)
         else:
             found = run(graph, ctx)
     except InfeasibleBudgetError as exc:
@@ -90,8 +82,8 @@ def solve(
 
 def finish_seconds(graph: ComputeGraph) -> float:
     """What a solve of ``graph`` keeps after its phases' deadline: CP-SAT's stop and the
-    simulations of the plan found (``STOP_SECONDS``, ``FINISH_SIMULATIONS``)."""
-    return STOP_SECONDS + FINISH_SIMULATIONS * tuning.LARGE_SIMULATE_SECONDS_PER_NODE * len(graph.nodes)
+    simulations of the plan found (``tuning.STOP_SECONDS``, ``tuning.FINISH_SIMULATIONS``)."""
+    return tuning.STOP_SECONDS + tuning.FINISH_SIMULATIONS * tuning.LARGE_SIMULATE_SECONDS_PER_NODE * len(graph.nodes)
 
 
 def plan_of(graph: ComputeGraph, found: Solution, budget: BudgetInfo, *, seconds: float = 0.0) -> Plan:
@@ -149,23 +141,13 @@ def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> 
     )
 
 
-# The seconds each compiled-step solver takes when the caller gives no limit: ``auto`` runs the
-# greedy search, then the exact model for the rest of its time; ``exact`` the same for longer;
-# ``greedy`` the greedy search alone (docs/tuning.md, "partition_exact").
-PARTITION_SOLVERS = {"auto": 30.0, "exact": 120.0, "greedy": 0.0}
-# Shares of the time asked (``limit``), each sized on a clock of work rather than the wall clock
-# so that the search ends the same on every run (docs/tuning.md, "partition_exact"):
-GREEDY_SHARE = 0.5  # the greedy search, ...
-SIMULATED_VALUES_PER_SECOND = 170_000  # ... counted in joint-graph values simulated
-LEAST_SHARE = 0.3  # the least-peak search when the greedy search fits nothing, ...
-LEAST_CLOCK = 0.1  # ... counted in CP-SAT's deterministic seconds
 
 
 def check_partition_solver(solver: str) -> None:
     """``UnknownSolverError`` unless ``solver`` names a compiled-step solver."""
-    if solver not in PARTITION_SOLVERS:
+    if solver not in tuning.PARTITION_SECONDS:
         raise UnknownSolverError(
-            f"Unknown solver {solver!r} for a compiled step; choose one of: {', '.join(PARTITION_SOLVERS)}."
+            f"Unknown solver {solver!r} for a compiled step; choose one of: {', '.join(tuning.PARTITION_SECONDS)}."
         )
 
 
@@ -181,11 +163,11 @@ def solve_partition_step(
     """The saved set of a compiled step within ``budget_bytes``: the greedy search's
     (``solvers.partition``, from ``starts`` too), then, unless ``solver`` is ``"greedy"``, the
     exact CP-SAT model's (``solvers.partition_exact``) for the rest of ``time_limit`` seconds
-    (None: ``PARTITION_SOLVERS[solver]``), which returns a partition only when it recomputes
+    (None: ``tuning.PARTITION_SECONDS[solver]``), which returns a partition only when it recomputes
     less, and proves it least or proves that nothing fits. The greedy search gets
-    ``GREEDY_SHARE`` of the time asked (all of it alone), counted in values simulated. When the greedy search fits nothing,
+    ``tuning.GREEDY_SHARE`` of the time asked (all of it alone), counted in values simulated. When the greedy search fits nothing,
     the exact model's least-peak bisection (``partition_exact.least_partition``) lowers the
-    greedy search's least peak first, for ``LEAST_SHARE`` of the time asked on CP-SAT's
+    greedy search's least peak first, for ``tuning.PARTITION_LEAST_SHARE`` of the time asked on CP-SAT's
     deterministic clock, from bounds that do not depend on the budget: whatever budget the greedy
     search misses, the same least is found (unless the deadline cuts it short), so a least peak
     stated is a budget this search fits. Then the exact model searches for any saved set within
@@ -195,12 +177,12 @@ def solve_partition_step(
     (``greedy`` alone without ``time_limit`` runs until it is done). Every partition returned is
     the simulator's report of its saved set."""
     check_partition_solver(solver)
-    ctx = SolveContext.limited(time_limit, default=PARTITION_SOLVERS[solver], on_progress=progress)
+    ctx = SolveContext.limited(time_limit, default=tuning.PARTITION_SECONDS[solver], on_progress=progress)
     ctx.report("greedy")
     if solver == "greedy" and time_limit is None:  # runs until it is done
         found = solve_partition(graph, budget_bytes, starts)
     else:
-        work = ctx.limit * (1.0 if solver == "greedy" else GREEDY_SHARE) * SIMULATED_VALUES_PER_SECOND
+        work = ctx.limit * (1.0 if solver == "greedy" else tuning.GREEDY_SHARE) * tuning.SIMULATED_VALUES_PER_SECOND
         found = solve_partition(graph, budget_bytes, starts, ctx, None if math.isinf(work) else int(work))
     if found.feasible:
         ctx.report(cost_seconds=found.report.recompute_seconds, peak_bytes=found.report.peak_bytes)
@@ -215,7 +197,7 @@ def solve_partition_step(
         ctx.report("least peak")
         least, _ = least_partition(
             graph, ctx, found.report, graph.static_bytes,
-            deterministic_seconds=ctx.limit * LEAST_SHARE * LEAST_CLOCK,
+            deterministic_seconds=ctx.limit * tuning.PARTITION_LEAST_SHARE * tuning.PARTITION_LEAST_CLOCK,
         )
         if least.peak_bytes < found.report.peak_bytes:  # ``least`` is the simulator's report
             fits = least.peak_bytes <= budget_bytes

@@ -11,7 +11,7 @@ the peak most per second of recomputation it adds (recomputed from what stays sa
 own inputs saved instead, or with the dropout masks it would replay saved instead), or, once
 some of those moves bring the peak within the budget, the cheapest of them; then, in order of
 cost, save again each recomputed value whose saving keeps the peak within the budget. When a
-start fits, the starts that recompute less but peak just over the budget (``NEAR_FITTING``) are
+start fits, the starts that recompute less but peak just over the budget (``tuning.NEAR_FITTING``) are
 searched from too, the nearest first (PyTorch's partition at its own measured peak can run a
 few bytes over it in the order ckptplan runs the two graphs), and the cheapest fit wins.
 Values that draw random numbers or write to state are never recomputed as they ran: a dropout
@@ -26,14 +26,10 @@ from dataclasses import dataclass
 
 from ckptplan.joint import JointGraph
 from ckptplan.partition import PartitionReport, backward_needs, simulate_partition
+from ckptplan.solvers import tuning
 from ckptplan.solvers.context import SolveContext
 
-# Rounds of the greedy search at most, as a multiple of the candidates (each round removes one).
-_ROUNDS_PER_CANDIDATE = 2
 _EPSILON_SECONDS = 1e-12  # a move that recomputes nothing costly still divides by something
-# A start that recomputes less than the best that fits is searched from too when it peaks at most
-# this share of the budget over it (docs/tuning.md, "partition_exact").
-NEAR_FITTING = 0.01
 
 
 @dataclass(frozen=True)
@@ -100,7 +96,7 @@ def solve_partition(
     fitting = [r for r in reports if r.peak_bytes <= budget_bytes]
     if fitting:
         first = min(fitting, key=_price)
-        near = budget_bytes + int(NEAR_FITTING * budget_bytes)
+        near = budget_bytes + int(tuning.NEAR_FITTING * budget_bytes)
         cheaper = sorted((r for r in reports if budget_bytes < r.peak_bytes <= near
                           and r.recompute_seconds < first.recompute_seconds),
                          key=lambda r: (r.peak_bytes, r.recompute_seconds))  # the nearest to fitting first
@@ -141,8 +137,8 @@ class _Descent:
 
 def _descend(graph: JointGraph, descent: _Descent, budget_bytes: int, work: _Work) -> None:
     """Moves from ``descent.report`` while its peak is over ``budget_bytes`` (at most
-    ``_ROUNDS_PER_CANDIDATE`` per saveable value), then, once it fits, saves back what fits."""
-    rounds = _ROUNDS_PER_CANDIDATE * max(1, len(graph.saveable))
+    ``tuning.GREEDY_ROUNDS_PER_CANDIDATE`` per saveable value), then, once it fits, saves back what fits."""
+    rounds = tuning.GREEDY_ROUNDS_PER_CANDIDATE * max(1, len(graph.saveable))
     while descent.report.peak_bytes > budget_bytes and rounds > 0 and not work.over():
         rounds -= 1
         move = _best_move(graph, descent.report, budget_bytes, work)

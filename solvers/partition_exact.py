@@ -48,16 +48,12 @@ from ortools.sat.python import cp_model
 from ckptplan.errors import CkptPlanError
 from ckptplan.joint import JointGraph
 from ckptplan.partition import PartitionReport, forward_ancestors, raise_getitems, simulate_partition
+from ckptplan.solvers import tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import configure, solve_interruptibly
 from ckptplan.solvers.partition import no_recompute
 
-# The measurements behind these are in docs/tuning.md, "partition_exact".
-ROWS_PER_ROUND = 12  # memory rows added per broken solution: its fullest points
 COST_UNITS = 10**6  # the objective's integer units over the costliest value's seconds
-LEAST_PROBES = 10  # budgets the least-peak bisection tries at most ...
-LEAST_RESOLUTION = 0.005  # ... stopping when the least found is within this share of a proved bound
-WORKERS = 2  # CP-SAT workers: better plans in the time than one, not reproducible under a limit
 
 ExactStatus = Literal["optimal", "feasible", "infeasible", "unknown"]
 
@@ -476,7 +472,7 @@ def solve_partition_exact(
     within the budget will do (no objective; the first found ends the search).
     ``deterministic_seconds``: the search runs one CP-SAT worker for at most that much of its
     deterministic clock over all rounds, so that it ends the same on every run unless ``ctx``'s
-    deadline comes first (None: ``WORKERS`` workers, each round sized by ``ctx.limit``).
+    deadline comes first (None: ``tuning.EXACT_WORKERS`` workers, each round sized by ``ctx.limit``).
 
     Each round solves the model with its rows so far and simulates every solution CP-SAT finds
     as it finds it: the first one over the budget ends the round, its points furthest over
@@ -502,7 +498,8 @@ def solve_partition_exact(
             state.hint(frozenset(watch.best.saved))
         solver = cp_model.CpSolver()
         if deterministic_seconds is None:
-            configure(solver, wall_seconds=ctx.left(), deterministic_seconds=ctx.limit, workers=WORKERS, seed=0)
+            configure(solver, wall_seconds=ctx.left(), deterministic_seconds=ctx.limit, workers=tuning.EXACT_WORKERS,
+                      seed=0)
         else:
             configure(solver, wall_seconds=ctx.left(), deterministic_seconds=deterministic_seconds - spent,
                       workers=1, seed=0)
@@ -557,8 +554,8 @@ class _Watch(cp_model.CpSolverSolutionCallback):
 
 
 def _fullest(points: list[tuple[tuple, int]]) -> list[tuple[tuple, int]]:
-    """The ``ROWS_PER_ROUND`` points of most live bytes."""
-    return sorted(points, key=lambda p: -p[1])[:ROWS_PER_ROUND]
+    """The ``tuning.EXACT_ROWS_PER_ROUND`` points of most live bytes."""
+    return sorted(points, key=lambda p: -p[1])[:tuning.EXACT_ROWS_PER_ROUND]
 
 
 def least_partition(
@@ -569,7 +566,7 @@ def least_partition(
     found so far, each probe the exact model's search for any saved set within it. A probe that
     finds one lowers the least; one that proves none raises the bound; one that runs out of its
     time leaves the budgets below it untried. Stops when the least and the lowest budget left are
-    within ``LEAST_RESOLUTION`` of each other, or when the time is up. Returns the least partition
+    within ``tuning.EXACT_LEAST_RESOLUTION`` of each other, or when the time is up. Returns the least partition
     found and the greatest budget proved to fit nothing.
 
     The probes share ``deterministic_seconds`` of CP-SAT's deterministic clock, each probe what
@@ -578,8 +575,8 @@ def least_partition(
     probe_ctx = ctx.unscored()
     low = infeasible_bytes  # budgets at or below it are proved infeasible, or given up on
     left = deterministic_seconds
-    for probes_left in range(LEAST_PROBES, 0, -1):
-        if ctx.over() or left <= 0 or least.peak_bytes - low <= LEAST_RESOLUTION * least.peak_bytes:
+    for probes_left in range(tuning.EXACT_LEAST_PROBES, 0, -1):
+        if ctx.over() or left <= 0 or least.peak_bytes - low <= tuning.EXACT_LEAST_RESOLUTION * least.peak_bytes:
             break
         budget = (low + least.peak_bytes) // 2
         found = solve_partition_exact(graph, budget, probe_ctx, fit_only=True, deterministic_seconds=left / probes_left)

@@ -1,24 +1,24 @@
-"""The last phase of ``auto`` on graphs of up to ``MAX_NODES`` nodes: CP-SAT's portfolio from the
+"""The last phase of ``auto`` on graphs of up to ``tuning.POLISH_MAX_NODES`` nodes: CP-SAT's portfolio from the
 cheapest plans the reproducible phases made, until the solve's deadline.
 
 The reproducible phases (``sqrt``, ``dp``, ``ilp``'s block policies and its one-worker search on
 CP-SAT's deterministic clock, on the model's graph and on the graph with cheap ops
 rematerialised: ``remat_plans.with_remat``) are sized from the limit asked for, so the same
 limit gives them the same plans, and at short limits they end early: ``ilp`` skips its search
-when its share cannot pay for building the model twice. They get ``1 - SHARE`` of the limit;
+when its share cannot pay for building the model twice. They get ``1 - tuning.POLISH_SHARE`` of the limit;
 this phase takes the rest, with the time they leave unused. From their plans the portfolio's
 LP-based and neighbourhood workers find and often prove the optimum of the whole model within
 seconds, where the one worker sweeps it a window at a time (docs/tuning.md, "polish"). It
-searches plans of short regions first (``WINDOWS``), whose model is smaller, and widens the
+searches plans of short regions first (``tuning.POLISH_WINDOWS``), whose model is smaller, and widens the
 regions to ``ilp``'s own window as each stage proves its plan.
 The portfolio is not deterministic: its plan can differ from run to run, is taken only when it
 costs strictly less than its start, and costs the same on every run that proves it optimal.
 
-On graphs of up to ``remat_plans.JOINT_PORTFOLIO_MAX_NODES`` nodes the search is of the joint
+On graphs of up to ``tuning.JOINT_PORTFOLIO_MAX_NODES`` nodes the search is of the joint
 model (``joint``): each cheap op's rematerialisation (``ckptplan.remat``) is a decision beside
 the regions, so one search weighs a region against dropping and recomputing an op's output
 (where most nodes are candidates, after a shorter search of regions alone:
-``remat_plans.ALONE_FIRST_DENSITY``).
+``tuning.ALONE_FIRST_DENSITY``).
 On larger ones the joint search starts from the cheaper of the plain plan and the rematerialised
 graph's (``remat_plans.with_remat``); where that start has regions too long for a hint
 (``hints``), a search of regions alone comes first, on the graph the start was solved on: a plan
@@ -33,37 +33,29 @@ from collections.abc import Callable
 from ckptplan import remat as _remat
 from ckptplan.graph import ComputeGraph
 from ckptplan.region import Region
+from ckptplan.solvers import tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_model import region_window
-from ckptplan.solvers.registry import LARGE_NODES
 from ckptplan.solvers.solution import Solution
 
-SHARE = 0.5  # of the time before the joint search (``remat_plans.JOINT_SHARE``): this phase's, at least
-MIN_SECONDS = 1.0  # the least time worth starting the portfolio for (its model's build comes first)
-# The longest regions, in nodes, the search allows first, then (each once the one before is
-# proven) wider, up to ``ilp``'s own window (docs/tuning.md, "polish").
-WINDOWS = (32, 64)
-MAX_NODES = LARGE_NODES  # larger graphs are left to the block-by-block plan
-# The joint search's memory rows from a start it takes as a hint: stated up front, and added
-# per round (None: every row a plan breaks; ``ilp_lazy.search_lazily``; docs/tuning.md, "polish").
-JOINT_ROWS = (8, None)
 CHOSE = "auto chose ilp: "  # how the notes of this phase's plans begin: it is ``auto``'s, and they are ``ilp``'s
 
 
 def polishes(graph: ComputeGraph, solver: str, limit: float) -> bool:
     """Whether a solve by ``solver`` with ``limit`` seconds ends with this phase on ``graph``:
-    ``auto`` on graphs of at most ``MAX_NODES`` nodes, with a finite limit whose ``SHARE`` is at
-    least ``MIN_SECONDS``."""
-    return solver == "auto" and len(graph.nodes) <= MAX_NODES and math.isfinite(limit) and limit * SHARE >= MIN_SECONDS
+    ``auto`` on graphs of at most ``tuning.POLISH_MAX_NODES`` nodes, with a finite limit whose ``tuning.POLISH_SHARE`` is at
+    least ``tuning.POLISH_MIN_SECONDS``."""
+    return (solver == "auto" and len(graph.nodes) <= tuning.POLISH_MAX_NODES and math.isfinite(limit)
+            and limit * tuning.POLISH_SHARE >= tuning.POLISH_MIN_SECONDS)
 
 
 def windows(graph: ComputeGraph) -> list[int]:
-    """The longest regions, in nodes, each stage of the search allows: ``WINDOWS`` below
+    """The longest regions, in nodes, each stage of the search allows: ``tuning.POLISH_WINDOWS`` below
     ``ilp``'s own window on ``graph`` (``ilp_model.region_window``), then that window. The model
     of shorter regions is smaller, and the portfolio finds cheap plans in it sooner
     (docs/tuning.md, "polish")."""
     full = region_window(graph, None)
-    return [window for window in WINDOWS if window < full] + [full]
+    return [window for window in tuning.POLISH_WINDOWS if window < full] + [full]
 
 
 def hints(graph: ComputeGraph, plan: Solution) -> bool:
@@ -99,7 +91,7 @@ def polish(
     decides rematerialisation beside the regions (``ckptplan.remat.candidates``; ``graph``'s own
     plans only), and starts from ``best``'s. Ctrl-C ends the search
     with the best plan so far (``ctx.cancel`` set)."""
-    if ctx.over() or ctx.left() < MIN_SECONDS or best.cost_seconds <= 0:
+    if ctx.over() or ctx.left() < tuning.POLISH_MIN_SECONDS or best.cost_seconds <= 0:
         return best
     try:
         return _polish(graph, budget_bytes, best, ctx, solved_on=solved_on, onto=onto, joint=joint)
@@ -138,12 +130,12 @@ def _polish(
         # The joint search from a plan the model takes as a hint states more rows at a time:
         # each round that ends on a broken row pays the presolve again (docs/tuning.md, "polish").
         hinted = regions is not None and _within(regions, window)
-        rows = JOINT_ROWS if joint and hinted else None
+        rows = tuning.POLISH_JOINT_ROWS if joint and hinted else None
         found, regions = proof_phase(searched, budget_bytes, regions, phase, seconds=ctx.left(), seed=0,
                                      window=window, bound=0.0, announce=False, remat=candidates, start_remat=remat,
                                      rows=rows, light_presolve=joint, workers=search_workers())
         remat = found.remat
-        if found.status != "OPTIMAL" or ctx.left() < MIN_SECONDS:
+        if found.status != "OPTIMAL" or ctx.left() < tuning.POLISH_MIN_SECONDS:
             break
     proven = found.status == "OPTIMAL" and window == stages[-1]  # over ``ilp``'s plans, not a narrower window's
     shorter = "" if window == stages[-1] else f"regions of at most {window} nodes, "

@@ -110,7 +110,7 @@ def simplify(
     no more. A stopped search leaves such no-ops behind (a one-node region keeping its node, a
     region around free ops), and every region is a ``checkpoint`` call at run time. ``ctx``'s deadline (or Ctrl-C) ends the trials
     early, with what they removed so far: one simulation per region and keep
-    adds up on large graphs (see ``ilp_tuning.SIMPLIFY_GRACE``)."""
+    adds up on large graphs (see ``tuning.SIMPLIFY_GRACE``)."""
     best: Report = simulate(graph, regions, remat=remat)
 
     def no_worse(candidate: tuple[Region, ...]) -> bool:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from ckptplan.errors import UnknownSolverError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan
+from ckptplan.solvers import tuning
 from ckptplan.solvers.solution import Solution
 
 if TYPE_CHECKING:
@@ -32,15 +33,13 @@ class _Entry:
     module: str  # where the function lives, imported on first use
     function: str
     default_seconds: float  # its time when the caller gives no limit (inf: until it is done) ...
-    large_seconds: float | None = None  # ... on graphs of more than LARGE_NODES nodes, if another
+    large_seconds: float | None = None  # ... on graphs of more than tuning.LARGE_NODES nodes, if another
 
 
-# ``auto``'s and ``ilp``'s defaults: see ``docs/tuning.md`` ("Default time limits").
-LARGE_NODES = 600
 _BUILTIN: dict[str, _Entry] = {
-    "auto": _Entry("ckptplan.solvers.auto", "solve_auto", 10.0, large_seconds=30.0),
+    "auto": _Entry("ckptplan.solvers.auto", "solve_auto", tuning.AUTO_SECONDS, large_seconds=tuning.AUTO_LARGE_SECONDS),
     "dp": _Entry("ckptplan.solvers.dp", "solve_dp", math.inf),
-    "ilp": _Entry("ckptplan.solvers.ilp", "solve_ilp", 60.0),
+    "ilp": _Entry("ckptplan.solvers.ilp", "solve_ilp", tuning.ILP_SECONDS),
     "sqrt": _Entry("ckptplan.solvers.sqrt", "solve_sqrt", math.inf),
 }
 _USER: dict[str, Solver] = {}
@@ -75,7 +74,8 @@ def default_seconds(name: str, nodes: int = 0) -> float:
     entry = _BUILTIN.get(name)
     if entry is None:
         return math.inf
-    return entry.large_seconds if entry.large_seconds is not None and nodes > LARGE_NODES else entry.default_seconds
+    large = entry.large_seconds is not None and nodes > tuning.LARGE_NODES
+    return entry.large_seconds if large else entry.default_seconds
 
 
 def available_solvers() -> list[str]:

@@ -10,7 +10,7 @@ keep-sets, candidates outside regions: none read through a view of another, chai
 deep, ``remat.deep_chains``). The joint model is searched a neighbourhood at a time, as
 ``ilp.improve_locally`` does for regions alone, not whole (docs/tuning.md, "remat_ilp", says
 why). The model is built whole (no lazy rows), so this
-suits graphs of up to ``ilp_tuning.FLAT_MAX_NODES`` nodes.
+suits graphs of up to ``tuning.FLAT_MAX_NODES`` nodes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ckptplan import remat as _remat
 from ckptplan.graph import ComputeGraph
 from ckptplan.region import Region
 from ckptplan.simulation import Report, simulate
-from ckptplan.solvers import ilp_tuning as tuning
+from ckptplan.solvers import tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import (
     configure,
@@ -38,15 +38,7 @@ from ckptplan.solvers.solution import Solution, solution
 
 log = logging.getLogger(__name__)
 
-STEP_DETERMINISTIC_SECONDS = 0.25  # CP-SAT's deterministic clock per neighbourhood step
-STEP_SECONDS = 0.3  # about what one step takes (docs/tuning.md, "remat_ilp")
-# The longest region the joint model allows, unless the start plan holds a longer one: the model's
-# size, and each step's presolve, grow with it (docs/tuning.md, "remat_ilp").
-WINDOW = 32
 
-# The least time worth a joint search: building the model comes first (about
-# ``tuning.BUILD_SECONDS_PER_PAIR`` per node and window step; docs/tuning.md, "remat_ilp").
-MIN_SECONDS = 1.5
 
 
 def affordable(graph: ComputeGraph, seconds: float | None) -> bool:
@@ -54,8 +46,8 @@ def affordable(graph: ComputeGraph, seconds: float | None) -> bool:
     decide, at most ``tuning.FLAT_MAX_NODES`` nodes, and time for more than building the model twice."""
     if not _remat.candidates(graph) or len(graph.nodes) > tuning.FLAT_MAX_NODES:
         return False
-    build = tuning.BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, WINDOW)
-    return seconds is None or seconds >= max(MIN_SECONDS, 2 * build)
+    build = tuning.BUILD_SECONDS_PER_PAIR * len(graph.nodes) * region_window(graph, tuning.REMAT_WINDOW)
+    return seconds is None or seconds >= max(tuning.REMAT_MIN_SECONDS, 2 * build)
 
 
 def search_with_remat(
@@ -68,22 +60,22 @@ def search_with_remat(
     keep and rematerialisation) of ``tuning.LNS_WINDOW`` nodes at a time (``_neighbourhoods``, dearest
     first), fix the rest to the incumbent, and move to any cheaper plan the simulator confirms
     (then rank the neighbourhoods again); stop when a whole round finds nothing, or after
-    ``max_steps`` steps (default ``ctx.limit / STEP_SECONDS``) or
-    ``ilp_tuning.DETERMINISTIC_SECONDS_PER_SECOND`` of the limit on CP-SAT's deterministic clock: the same
+    ``max_steps`` steps (default ``ctx.limit / tuning.REMAT_STEP_SECONDS``) or
+    ``tuning.DETERMINISTIC_SECONDS_PER_SECOND`` of the limit on CP-SAT's deterministic clock: the same
     inputs give the same plan unless the wall clock, which only backs these up, ends it first."""
     time_limit = ctx.limit
     phase = ctx.within(time_limit)
     if any(r.children for r in start.regions):
         return None
     log.info("remat: choosing regions and rematerialised ops together, up to %.0f s", min(time_limit, ctx.left()))
-    # Regions of at most WINDOW nodes, or the start's longest: a smaller model makes each step's
+    # Regions of at most tuning.REMAT_WINDOW nodes, or the start's longest: a smaller model makes each step's
     # copy and presolve cheaper.
-    window = max(WINDOW, max((r.end - r.start for r in start.regions), default=0))
+    window = max(tuning.REMAT_WINDOW, max((r.end - r.start for r in start.regions), default=0))
     model, v = build_model(graph, budget_bytes, window=window, remat=_remat.candidates(graph))
     model.Minimize(v.cost)
     clock = time_limit * tuning.DETERMINISTIC_SECONDS_PER_SECOND
     best, best_report, steps = (start.regions, start.remat), start.report, 0
-    most_steps = max(1, int(time_limit / STEP_SECONDS)) if max_steps is None else max_steps
+    most_steps = max(1, int(time_limit / tuning.REMAT_STEP_SECONDS)) if max_steps is None else max_steps
     improved = True
     while improved and clock > 0 and steps < most_steps and not phase.over():
         improved = False
@@ -94,7 +86,7 @@ def search_with_remat(
             fix_plan(sub, graph, v, best[0], free=range(lo, lo + tuning.LNS_WINDOW), remat=best[1])
             solver = cp_model.CpSolver()
             configure(solver, wall_seconds=phase.left(),
-                      deterministic_seconds=min(STEP_DETERMINISTIC_SECONDS, clock), workers=1, seed=seed)
+                      deterministic_seconds=min(tuning.REMAT_STEP_DETERMINISTIC_SECONDS, clock), workers=1, seed=seed)
             # Most of a step's time is CP-SAT's presolve of the copied model.
             lighten_presolve(solver)
             code = solve_interruptibly(solver, sub, ctx)

@@ -11,35 +11,14 @@ from ckptplan.errors import CkptPlanError, InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.region import Region
 from ckptplan.simulation import build_region_tree, simulate
-from ckptplan.solvers import ilp_tuning as tuning
-from ckptplan.solvers import remat_ilp
+from ckptplan.solvers import remat_ilp, tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.least import least_of
-from ckptplan.solvers.polish import SHARE as POLISH_SHARE
 from ckptplan.solvers.polish import hints, polish, polishes
 from ckptplan.solvers.solution import Solution, solution
 
 log = logging.getLogger(__name__)
 
-PLAIN_SHARE = 0.4  # with the joint search: the plain solve's part, to 1 - PLAIN_SHARE - JOINT_SHARE for the other solve
-JOINT_SHARE = 0.2  # of with_remat's time limit: the joint search (docs/tuning.md, "remat_ilp")
-SHED_SIMULATED_NODES = 20_000  # shed_remat simulates at most this many nodes' worth of plans (and 8 plans)
-# Graphs up to this many nodes get the portfolio search of regions and rematerialisation together
-# (``polish.polish(joint=True)``) from the plain solve's plan, in place of the solve on the
-# rematerialised graph and the neighbourhood search; larger ones get it from the cheaper of the
-# plain plan and the rematerialised graph's (docs/tuning.md, "polish").
-JOINT_PORTFOLIO_MAX_NODES = tuning.FLAT_MAX_NODES
-# Above JOINT_PORTFOLIO_MAX_NODES, from a start the joint search cannot take as a hint
-# (``polish.hints``), a portfolio of regions alone on the graph the start was solved on runs first,
-# for this share of the portfolios' time, and the joint one starts from its plan (docs/tuning.md,
-# "polish").
-UNHINTED_ALONE_SHARE = 0.75
-# Where candidates are more than this share of the graph's nodes, the joint model's LP bound is
-# weak and its portfolio wanders: a portfolio of regions alone runs first, for at most
-# ALONE_FIRST_SHARE of the portfolio's time (less when it proves its plan sooner), and the joint
-# portfolio starts from its plan (docs/tuning.md, "polish").
-ALONE_FIRST_DENSITY = 0.5
-ALONE_FIRST_SHARE = 0.25
 
 
 def with_remat(
@@ -59,27 +38,27 @@ def with_remat(
       (``remat.Remat.graph``), less those its regions contain or store as inputs (they would
       free nothing) and those ``shed_remat`` finds the plan fits without, if the simulator
       confirms it fits once savers inside its regions are left to them;
-    * for ``auto`` on graphs of at most ``JOINT_PORTFOLIO_MAX_NODES`` nodes that the whole
+    * for ``auto`` on graphs of at most ``tuning.JOINT_PORTFOLIO_MAX_NODES`` nodes that the whole
       CP-SAT model suits (``polish.polishes``): CP-SAT's portfolio of the joint model, which
       chooses regions and rematerialisation together, from the cheapest of these
       (``polish.polish(joint=True)``), until the deadline; where more than
-      ``ALONE_FIRST_DENSITY`` of the nodes are candidates, from the plan of a portfolio of
-      regions alone run first from that start (``ALONE_FIRST_SHARE`` of the time at most);
+      ``tuning.ALONE_FIRST_DENSITY`` of the nodes are candidates, from the plan of a portfolio of
+      regions alone run first from that start (``tuning.ALONE_FIRST_SHARE`` of the time at most);
     * for ``auto`` on larger graphs it suits, the joint portfolio from the cheaper of the plain
       plan and the rematerialised graph's plan, until the deadline; from a start whose regions
       it cannot hint (``polish.hints``), from the plan of a portfolio of regions alone run first
-      on the graph that start was solved on (``UNHINTED_ALONE_SHARE`` of the time; a plan of
+      on the graph that start was solved on (``tuning.UNHINTED_ALONE_SHARE`` of the time; a plan of
       the rematerialised graph's then sheds what it can);
     * otherwise, for ``auto`` and ``ilp`` when the graph is small enough and the time allows
       (``remat_ilp.affordable``), the joint model's neighbourhood search from the cheapest of
       these (``remat_ilp.search_with_remat``).
 
     ``ctx.limit`` is shared. With the joint portfolio, the plain solve gets
-    ``(1 - polish.SHARE) * PLAIN_SHARE`` of it and the portfolio the rest. Otherwise
-    ``JOINT_SHARE`` goes to the neighbourhood search at the end when it runs; of the rest,
-    ``polish.SHARE`` to the portfolio search when it runs, which also takes what the solves
+    ``(1 - tuning.POLISH_SHARE) * tuning.PLAIN_SHARE`` of it and the portfolio the rest. Otherwise
+    ``tuning.JOINT_SHARE`` goes to the neighbourhood search at the end when it runs; of the rest,
+    ``tuning.POLISH_SHARE`` to the portfolio search when it runs, which also takes what the solves
     before them leave; the remainder to the plain solve and the solve on the rematerialised
-    graph (``PLAIN_SHARE`` to ``1 - PLAIN_SHARE - JOINT_SHARE`` with the neighbourhood search,
+    graph (``tuning.PLAIN_SHARE`` to ``1 - tuning.PLAIN_SHARE - tuning.JOINT_SHARE`` with the neighbourhood search,
     half each without it). Each solve ends by its share's end, the search by ``ctx``'s
     deadline (less the neighbourhood search's share, and what shedding takes).
     With the joint portfolio, the solve on the rematerialised graph runs only when the plain
@@ -95,15 +74,16 @@ def with_remat(
     polishing = polishes(graph, solver, limit)
     # The portfolio searches regions and rematerialisation together: no neighbourhood search
     # after it, and no solve on the rematerialised graph unless the plain solve fits nothing.
-    together = polishing and bool(order) and len(graph.nodes) <= JOINT_PORTFOLIO_MAX_NODES
+    together = polishing and bool(order) and len(graph.nodes) <= tuning.JOINT_PORTFOLIO_MAX_NODES
     both = bool(order) and not alone
-    joint = solver in ("auto", "ilp") and not together and remat_ilp.affordable(graph, limit * JOINT_SHARE)
-    reserve = limit * JOINT_SHARE if joint else 0.0  # the joint search's, at the end
-    solves = (limit - reserve) * (1 - POLISH_SHARE) if polishing else limit - reserve  # the two solves'
+    joint = solver in ("auto", "ilp") and not together and remat_ilp.affordable(graph, limit * tuning.JOINT_SHARE)
+    reserve = limit * tuning.JOINT_SHARE if joint else 0.0  # the joint search's, at the end
+    solves = (limit - reserve) * (1 - tuning.POLISH_SHARE) if polishing else limit - reserve  # the two solves'
     if together:  # the plain solve's time as beside a joint search, the rest the portfolio's
-        plain_seconds = limit * (1 - POLISH_SHARE) * PLAIN_SHARE
+        plain_seconds = limit * (1 - tuning.POLISH_SHARE) * tuning.PLAIN_SHARE
     else:
-        plain_seconds = solves * ((PLAIN_SHARE / (1 - JOINT_SHARE) if joint else 0.5) if both or joint else 1.0)
+        share = (tuning.PLAIN_SHARE / (1 - tuning.JOINT_SHARE) if joint else 0.5) if both or joint else 1.0
+        plain_seconds = solves * share
     plans: list[Solution] = []
     errors: list[InfeasibleBudgetError] = []
     plain = None  # the plain solve's plan
@@ -158,11 +138,13 @@ def with_remat(
                                       key=lambda p: p.cost_seconds, default=None)
     if polishing and start is not None:
         phase = ctx.before(reserve)
-        if together and not start.remat and len(_remat.candidates(graph)) > ALONE_FIRST_DENSITY * len(graph.nodes):
-            start = _alone_first(graph, budget_bytes, start, phase, ALONE_FIRST_SHARE)
+        dense = len(_remat.candidates(graph)) > tuning.ALONE_FIRST_DENSITY * len(graph.nodes)
+        if together and not start.remat and dense:
+            start = _alone_first(graph, budget_bytes, start, phase, tuning.ALONE_FIRST_SHARE)
         elif order and not together and not hints(graph, start):
             solved_on = rematerialised.graph if start is from_rematerialised else None
-            start = _alone_first(graph, budget_bytes, start, phase, UNHINTED_ALONE_SHARE, solved_on=solved_on, onto=onto)
+            start = _alone_first(graph, budget_bytes, start, phase, tuning.UNHINTED_ALONE_SHARE, solved_on=solved_on,
+                                 onto=onto)
         found = polish(graph, budget_bytes, start, phase, joint=bool(order))
         if (found.cost_seconds, found.status != "optimal") < (best.cost_seconds, best.status != "optimal"):
             best = found
@@ -208,7 +190,7 @@ def shed_remat(graph: ComputeGraph, regions: tuple[Region, ...], nodes: Sequence
     without: dearest first (recompute seconds, with the hooks' fixed cost, times savers outside
     regions), each dropped when the simulated peak stays within the budget. Regions solved on a
     graph with every candidate rematerialised often leave bytes to spare, which pays for
-    recomputing fewer. Deterministic: at most ``max(8, SHED_SIMULATED_NODES // nodes)``
+    recomputing fewer. Deterministic: at most ``max(8, tuning.SHED_SIMULATED_NODES // nodes)``
     simulations, so large graphs try only their dearest few."""
     covered = _remat.Remat(graph, nodes, regions).recomputed_by
     recomputes = {x: sum(x in xs for xs in covered.values()) for x in nodes}
@@ -224,12 +206,12 @@ def shed_remat(graph: ComputeGraph, regions: tuple[Region, ...], nodes: Sequence
 
 def _shed_trials(graph: ComputeGraph) -> int:
     """How many plans ``shed_remat`` simulates on ``graph``, at most."""
-    return max(8, SHED_SIMULATED_NODES // max(1, len(graph.nodes)))
+    return max(8, tuning.SHED_SIMULATED_NODES // max(1, len(graph.nodes)))
 
 
 def _shed_seconds(graph: ComputeGraph) -> float:
     """What ``shed_remat`` may take on ``graph``: its simulations of the whole graph, each priced
-    as ``ilp.keep_more``'s moves (``ilp_tuning.LARGE_SIMULATE_SECONDS_PER_NODE``)."""
+    as ``ilp.keep_more``'s moves (``tuning.LARGE_SIMULATE_SECONDS_PER_NODE``)."""
     return _shed_trials(graph) * tuning.LARGE_SIMULATE_SECONDS_PER_NODE * len(graph.nodes)
 
 

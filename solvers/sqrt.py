@@ -21,15 +21,11 @@ from ckptplan.graph import ComputeGraph
 from ckptplan.region import Region
 from ckptplan.sharding import split_at_unit_edges
 from ckptplan.simulation import Report, simulate
+from ckptplan.solvers import tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.memo import graph_memo
 from ckptplan.solvers.solution import Solution, solution
 from ckptplan.units import describe_bytes
-
-# How many thresholds B to try, spread geometrically between the largest single op's saved
-# bytes and the whole graph's; and the quantiles of crossing bytes that define "cheap" cuts.
-_THRESHOLD_COUNT = 24
-_CUT_QUANTILES = (0.0, 0.25, 0.5)
 
 
 def crossing_bytes(graph: ComputeGraph) -> list[int]:
@@ -153,9 +149,9 @@ def _candidates(graph: ComputeGraph) -> list[tuple[Region, ...]]:
     if total == 0:
         return ordered
     lo = max(1, max(saved))
-    thresholds = [lo * (total / lo) ** (k / (_THRESHOLD_COUNT - 1)) for k in range(_THRESHOLD_COUNT)]
+    thresholds = [lo * (total / lo) ** (k / (tuning.SQRT_THRESHOLDS - 1)) for k in range(tuning.SQRT_THRESHOLDS)]
     thresholds = [0.0, *thresholds[:-1]]
-    for quantile in _CUT_QUANTILES:
+    for quantile in tuning.SQRT_CUT_QUANTILES:
         if not inner:
             break
         level = inner[min(len(inner) - 1, math.floor(quantile * (len(inner) - 1)))]

@@ -13,13 +13,12 @@ import torch
 import ckptplan
 from ckptplan.repeats import find_blocks
 from ckptplan.simulation import baseline_peak_bytes, simulate
-from ckptplan.solvers import blocks, ilp
-from ckptplan.solvers import ilp_tuning as tuning
+from ckptplan.solvers import blocks, ilp, tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp import keep_more, solve_hierarchical, solve_ilp
-from ckptplan.solvers.ilp_tuning import FLAT_MAX_NODES, LARGE_POLICY_SHARE, POLICY_SHARE
 from ckptplan.solvers.solution import Solution, solution
 from ckptplan.solvers.sqrt import solve_sqrt
+from ckptplan.solvers.tuning import FLAT_MAX_NODES, LARGE_POLICY_SHARE, POLICY_SHARE
 from ckptplan.units import parse_budget
 from tests.conftest import assert_same_gradients, load_example
 from tests.synthetic import chain_graph, without_modules

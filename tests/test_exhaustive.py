@@ -23,7 +23,7 @@ from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.plan import Plan, Region
 from ckptplan.simulation import baseline_peak_bytes, simulate
-from ckptplan.solvers import polish as polish_module
+from ckptplan.solvers import tuning
 from ckptplan.solvers.auto import solve_auto
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.dp import solve_dp
@@ -130,12 +130,12 @@ def test_residual_blocks_of_twelve_nodes() -> None:
 
 
 def test_the_portfolio_widens_its_window_and_claims_only_what_the_whole_model_proves(monkeypatch, caplog) -> None:
-    """``auto``'s portfolio searches plans of short regions first (``polish.WINDOWS``, here 2 and
+    """``auto``'s portfolio searches plans of short regions first (``tuning.POLISH_WINDOWS``, here 2 and
     4 nodes), then wider ones: at budgets where every plan of regions that short costs more than
     the least, it still ends at the least, and its ``optimal`` is over every one-level plan. A
     start with longer regions than a stage allows is no plan of its model, not a disagreement
     between model and simulator."""
-    monkeypatch.setattr(polish_module, "WINDOWS", (2, 4))
+    monkeypatch.setattr(tuning, "POLISH_WINDOWS", (2, 4))
     graph = layout_graph(RESIDUAL_LAYOUT, name="residual")
     plans = list(one_level_plans(graph))
     one_level = Space(graph, plans, nested=False, keeps=True)

@@ -22,6 +22,7 @@ from ckptplan.errors import InfeasibleBudgetError
 from ckptplan.graph import ComputeGraph
 from ckptplan.region import Region
 from ckptplan.simulation import baseline_peak_bytes, simulate
+from ckptplan.solvers import tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import fix_plan, solve_interruptibly
 from ckptplan.solvers.dp import solve_dp
@@ -29,10 +30,6 @@ from ckptplan.solvers.ilp import solve_ilp
 from ckptplan.solvers.ilp_flat import least_peak
 from ckptplan.solvers.ilp_lazy import (
     DEFERRED_PHASES,
-    PROOF_ROWS_PER_ROUND,
-    PROOF_SEEDED_ROWS,
-    SEEDED_ROWS,
-    UNHINTED_SEEDED_ROWS,
     fewer_of_a_class,
     proof_search,
     proof_workers,
@@ -344,8 +341,6 @@ def test_warm_start_is_never_beaten_by_a_stopped_search() -> None:
 def test_a_limit_too_short_to_build_the_model_returns_the_refined_warm_plan() -> None:
     """When the limit cannot pay for building the CP-SAT model (``BUILD_SECONDS_PER_PAIR``), the
     search is skipped: the refined warm plan comes back, the same on every run, and says why."""
-    from ckptplan.solvers import ilp_tuning as tuning
-
     graph = chain_graph([100, 300] * 100)
     budget = int(0.6 * baseline_peak_bytes(graph))
     assert 2 * tuning.BUILD_SECONDS_PER_PAIR * 200 * 128 > 1.0  # the model would take longer than the limit
@@ -552,7 +547,7 @@ def test_deferred_rows_are_exact_whichever_join_in_any_order() -> None:
 
 @pytest.mark.parametrize(
     ("workers", "up_front", "per_round"),
-    [(1, SEEDED_ROWS, None), (proof_workers(), PROOF_SEEDED_ROWS, PROOF_ROWS_PER_ROUND)],
+    [(1, tuning.SEEDED_ROWS, None), (proof_workers(), tuning.PROOF_SEEDED_ROWS, tuning.PROOF_ROWS_PER_ROUND)],
     ids=["search", "proof"],
 )
 def test_the_lazy_search_finds_and_proves_the_exhaustive_optimum(workers: int, up_front: int, per_round: int | None) -> None:
@@ -623,7 +618,7 @@ def test_the_proof_phase_searches_only_the_plans_recomputing_fewer_of_a_class() 
 
 def test_a_start_longer_than_the_window_states_more_rows_up_front_and_still_ends_optimal() -> None:
     """A start with a region longer than the model's window is no hint, so every round of the
-    proof phase begins from no plan: it states ``UNHINTED_SEEDED_ROWS`` rows up front (one where
+    proof phase begins from no plan: it states ``tuning.UNHINTED_SEEDED_ROWS`` rows up front (one where
     the start is a hint) and still ends proven optimal among the window's plans, no dearer than
     any of them that fits."""
     graph, window = skip_graph(), 3
@@ -638,7 +633,7 @@ def test_a_start_longer_than_the_window_states_more_rows_up_front_and_still_ends
                               key=lambda pr: pr[1].cost_seconds)
     found = proof_search(graph, budget, tuple(start), SolveContext.limited(30), seconds=30, window=window,
                          announce=False)
-    assert found.seeded == min(UNHINTED_SEEDED_ROWS, found.deferred) > PROOF_SEEDED_ROWS
+    assert found.seeded == min(tuning.UNHINTED_SEEDED_ROWS, found.deferred) > tuning.PROOF_SEEDED_ROWS
     assert found.status == "OPTIMAL"
     assert simulate(graph, found.regions).cost_seconds <= min(
         [start_report.cost_seconds, *(r.cost_seconds for r in short if r.peak_bytes <= budget)]) * (1 + 1e-9)
@@ -646,7 +641,7 @@ def test_a_start_longer_than_the_window_states_more_rows_up_front_and_still_ends
                  key=lambda pr: pr[1].cost_seconds)[0]
     again = proof_search(graph, budget, tuple(hinted), SolveContext.limited(30), seconds=30, window=window,
                          announce=False)
-    assert again.seeded == min(PROOF_SEEDED_ROWS, again.deferred) and again.status == "OPTIMAL"
+    assert again.seeded == min(tuning.PROOF_SEEDED_ROWS, again.deferred) and again.status == "OPTIMAL"
 
 
 def test_a_start_longer_than_the_window_and_cheaper_than_its_plans_is_kept_and_proven() -> None:

@@ -21,12 +21,11 @@ from ckptplan.errors import CkptPlanError, UnknownSolverError
 from ckptplan.joint import JointGraph, JointValue
 from ckptplan.partition import PartitionReport, simulate_partition
 from ckptplan.profiler.loss import training_loss
-from ckptplan.solvers import partition
+from ckptplan.solvers import partition, tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.orchestrate import solve_partition_step
 from ckptplan.solvers.partition import Partition, no_recompute, solve_partition
 from ckptplan.solvers.partition_exact import (
-    LEAST_RESOLUTION,
     least_partition,
     solve_partition_exact,
 )
@@ -158,7 +157,7 @@ def test_the_least_peak_bisection_ends_near_the_least_there_is(seed: int) -> Non
                                         deterministic_seconds=3.0)
     assert least == simulate_partition(graph, least.saved)
     assert infeasible < lowest <= least.peak_bytes
-    assert least.peak_bytes - infeasible <= LEAST_RESOLUTION * least.peak_bytes or least.peak_bytes == lowest
+    assert least.peak_bytes - infeasible <= tuning.EXACT_LEAST_RESOLUTION * least.peak_bytes or least.peak_bytes == lowest
 
 
 @pytest.mark.parametrize("seed", range(0, 60, 4))
@@ -168,7 +167,7 @@ def test_a_start_never_makes_the_greedy_search_dearer(seed: int, monkeypatch) ->
     peaks within ``NEAR_FITTING`` of the budget (here raised so that every such start counts): a
     start never makes its answer dearer than the search without it, at any budget where that
     search fits."""
-    monkeypatch.setattr(partition, "NEAR_FITTING", 10.0)
+    monkeypatch.setattr(tuning, "NEAR_FITTING", 10.0)
     graph = _random_joint(seed)
     every = sorted(_every_partition(graph), key=lambda r: (r.recompute_seconds, r.peak_bytes))
     for budget in sorted({r.peak_bytes for r in every}):
@@ -197,7 +196,7 @@ def test_a_start_handed_over_twice_is_searched_from_once(seed: int, monkeypatch)
         counted.append(1)
         return simulate_partition(g, saved, *args, **kwargs)
 
-    monkeypatch.setattr(partition, "NEAR_FITTING", 10.0)  # every start over the budget is searched from too
+    monkeypatch.setattr(tuning, "NEAR_FITTING", 10.0)  # every start over the budget is searched from too
     monkeypatch.setattr(partition, "simulate_partition", simulated)
     starts = [r.saved for r in every[::3]]
     once = solve_partition(graph, budget, starts)

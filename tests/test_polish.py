@@ -12,10 +12,10 @@ import pytest
 
 import ckptplan
 from ckptplan.simulation import baseline_peak_bytes, simulate
-from ckptplan.solvers import polish, remat_plans
+from ckptplan.solvers import polish, remat_plans, tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.dp import solve_dp
-from ckptplan.solvers.registry import LARGE_NODES, default_seconds
+from ckptplan.solvers.registry import default_seconds
 from ckptplan.solvers.sqrt import solve_sqrt
 from tests.conftest import load_example
 from tests.synthetic import chain_graph
@@ -28,17 +28,17 @@ def gpt() -> ckptplan.ComputeGraph:
 
 
 def test_auto_polishes_graphs_the_whole_model_suits_with_time_for_it() -> None:
-    small, large = chain_graph([64] * 6), chain_graph([64] * (polish.MAX_NODES + 1))
+    small, large = chain_graph([64] * 6), chain_graph([64] * (tuning.POLISH_MAX_NODES + 1))
     assert polish.polishes(small, "auto", 10.0)
     assert not polish.polishes(small, "ilp", 10.0)  # ilp keeps its own proof phase
     assert not polish.polishes(small, "auto", math.inf)  # no deadline to stop it
-    assert not polish.polishes(small, "auto", 2 * polish.MIN_SECONDS * 0.9)
+    assert not polish.polishes(small, "auto", 2 * tuning.POLISH_MIN_SECONDS * 0.9)
     assert not polish.polishes(large, "auto", 60.0)  # left to the block-by-block plan
 
 
 def test_the_default_limit_is_seconds_up_to_600_nodes() -> None:
-    assert default_seconds("auto", LARGE_NODES) == 10.0
-    assert default_seconds("auto", LARGE_NODES + 1) == 30.0
+    assert default_seconds("auto", tuning.LARGE_NODES) == 10.0
+    assert default_seconds("auto", tuning.LARGE_NODES + 1) == 30.0
     assert default_seconds("ilp", 50) == 60.0 and default_seconds("dp", 50) == math.inf
 
 

@@ -19,7 +19,7 @@ from ckptplan.build import make_plan
 from ckptplan.errors import PlanFormatError
 from ckptplan.profiler.loss import training_loss
 from ckptplan.simulation import baseline_peak_bytes, simulate
-from ckptplan.solvers import remat_plans
+from ckptplan.solvers import remat_plans, tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_lazy import search_lazily
 from ckptplan.solvers.ilp_model import COST_SCALE, build_model
@@ -476,7 +476,7 @@ def test_where_most_nodes_are_candidates_a_portfolio_of_regions_alone_runs_first
     cheaper of its plan and the start; a graph with few (the GPT example) gets the joint one
     alone. What comes back fits and is the simulator's."""
     for (_, _, graph), dense in ((conv_norm_silu, True), (gpt, False)):
-        assert (len(remat.candidates(graph)) > remat_plans.ALONE_FIRST_DENSITY * len(graph.nodes)) is dense
+        assert (len(remat.candidates(graph)) > tuning.ALONE_FIRST_DENSITY * len(graph.nodes)) is dense
         budget = int(0.8 * baseline_peak_bytes(graph))
         calls = []
         with pytest.MonkeyPatch.context() as patch:
@@ -501,7 +501,7 @@ def test_above_the_joint_portfolio_s_size_a_start_it_cannot_hint_gets_regions_al
     budget = int(0.8 * baseline_peak_bytes(graph))
     calls = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(remat_plans, "JOINT_PORTFOLIO_MAX_NODES", len(graph.nodes) - 1)
+        patch.setattr(tuning, "JOINT_PORTFOLIO_MAX_NODES", len(graph.nodes) - 1)
         patch.setattr(remat_plans, "polish", _recording_polish(calls))
         patch.setattr(remat_plans, "hints", lambda g, plan: hinted)
         found = remat_plans.with_remat(graph, budget, lambda g, phase: solve_sqrt(g, budget),

@@ -295,7 +295,7 @@ def test_auto_says_when_the_graph_is_too_large_for_ilp(monkeypatch) -> None:
     ``auto`` says so; its last phase, CP-SAT's portfolio on ``ilp``'s model of short regions
     (``solvers.polish``, graphs of up to 600 nodes), may then only improve on the plan kept."""
     from ckptplan.solvers import remat_plans
-    from ckptplan.solvers.ilp_tuning import FLAT_MAX_NODES
+    from ckptplan.solvers.tuning import FLAT_MAX_NODES
 
     graph = without_modules(chain_graph([100] * (FLAT_MAX_NODES + 2)))
     plan = solve(graph, "80%", solver="auto", time_limit=4)
