@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in compare.CASES]
     solvers = [s for s in options.solvers.split(",") if s]
     if unknown or any(s not in tuning.PARTITION_SECONDS for s in solvers):
-        print(f"Unknown model or solver; models: {', '.join(compare.CASES)}; solvers: {', '.join(tuning.PARTITION_SECONDS)}.",
-              file=sys.stderr)
+        print(f"Unknown model or solver; models: {', '.join(compare.CASES)}; "
+              f"solvers: {', '.join(tuning.PARTITION_SECONDS)}.", file=sys.stderr)
         return 2
     fractions = [float(f) for f in options.fractions.split(",") if f]
     rows: list[dict[str, Any]] = []

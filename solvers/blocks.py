@@ -59,7 +59,6 @@ from ckptplan.solvers.sqrt import least_peak_regions
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class PolicyEffect:
     """One policy measured at its class's probe block (see the module docstring)."""
@@ -496,7 +495,7 @@ def least_peak(graph: ComputeGraph, dec: Decomposition, windows: Windows) -> tup
     plan (no regions when none beats the step without checkpointing)."""
     lo, hi = graph.static.resident_bytes, baseline_peak_bytes(graph)
     best: tuple[int, tuple[Region, ...]] = (hi, ())
-    while hi - lo > max(1, (baseline_peak_bytes(graph) - graph.static.resident_bytes) >> 12):
+    while hi - lo > max(1, (baseline_peak_bytes(graph) - graph.static.resident_bytes) // tuning.LEAST_PEAK_STEPS):
         mid = (lo + hi) // 2
         picked = choose(dec, windows, mid)
         if picked is None:

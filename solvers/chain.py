@@ -84,9 +84,9 @@ class Chain:
         return self.region_cost + self.region_op_cost * (self.span(d)[1] - self.starts[k])
 
 
-
-
-def stage_starts(graph: ComputeGraph, max_stages: int = 32, skip_share: float = tuning.SKIP_SHARE) -> list[int]:
+def stage_starts(
+    graph: ComputeGraph, max_stages: int = tuning.MAX_STAGES, skip_share: float = tuning.SKIP_SHARE,
+) -> list[int]:
     """Stage starts: 0 and the *clean* region boundaries, at most ``max_stages`` stages.
 
     A boundary k is clean when the activations live across it that were made before the

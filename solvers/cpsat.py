@@ -144,7 +144,7 @@ def configure(
     solver: cp_model.CpSolver, *, wall_seconds: float, deterministic_seconds: float, workers: int, seed: int
 ) -> None:
     """Limits and search parameters. One worker stopped by CP-SAT's deterministic clock finds the
-    same plan on every run: callers give it ``DETERMINISTIC_SECONDS_PER_SECOND`` of the time they
+    same plan on every run: callers give it ``tuning.DETERMINISTIC_SECONDS_PER_SECOND`` of the time they
     were *asked* to take (never of what is left, which depends on the machine's load), and the
     wall-clock limit only backs it up (at least ``tuning.MIN_WALL_SECONDS``, so that a short search on a
     loaded machine still ends on its deterministic clock). More workers search better but not

@@ -189,13 +189,11 @@ class _Found:
     least_search: bool = False
 
 
-
-
 def candidate_chains(graph: ComputeGraph) -> list[Chain]:
     """The distinct stage chains of ``tuning.CHAIN_SKIP_SHARES``, clean cuts first (one on a pure
     chain), then, on a graph with skips, the chain cut where the segments of ``sqrt``'s
     least-peak plan start and end: Chen's greedy places its cuts by the bytes that cross them,
-    which the fixed shares above cannot. None depends on the budget, so the best of them costs
+    which the fixed shares of ``tuning.CHAIN_SKIP_SHARES`` cannot. None depends on the budget, so the best of them costs
     no less at a lower budget."""
     chains: dict[tuple[int, ...], Chain] = {}
     for share in tuning.CHAIN_SKIP_SHARES:

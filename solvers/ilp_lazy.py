@@ -126,7 +126,7 @@ def _cores() -> int:
 def proof_workers() -> int:
     """The proof phase's CP-SAT workers: one per core where CP-SAT's own portfolio fits
     (``tuning.FULL_PORTFOLIO_WORKERS`` cores or more), else ``tuning.PROOF_WORKERS``, which
-    ``cpsat.configure`` gives its bound-raising workers (``BOUND_SUBSOLVERS``)."""
+    ``cpsat.configure`` gives its bound-raising workers (``tuning.BOUND_SUBSOLVERS``)."""
     cores = _cores()
     return cores if cores >= tuning.FULL_PORTFOLIO_WORKERS else tuning.PROOF_WORKERS
 

@@ -141,8 +141,6 @@ def _refuse_below_state(graph: ComputeGraph, budget_bytes: int, solver: str) -> 
     )
 
 
-
-
 def check_partition_solver(solver: str) -> None:
     """``UnknownSolverError`` unless ``solver`` names a compiled-step solver."""
     if solver not in tuning.PARTITION_SECONDS:
@@ -165,12 +163,13 @@ def solve_partition_step(
     exact CP-SAT model's (``solvers.partition_exact``) for the rest of ``time_limit`` seconds
     (None: ``tuning.PARTITION_SECONDS[solver]``), which returns a partition only when it recomputes
     less, and proves it least or proves that nothing fits. The greedy search gets
-    ``tuning.GREEDY_SHARE`` of the time asked (all of it alone), counted in values simulated. When the greedy search fits nothing,
-    the exact model's least-peak bisection (``partition_exact.least_partition``) lowers the
-    greedy search's least peak first, for ``tuning.PARTITION_LEAST_SHARE`` of the time asked on CP-SAT's
-    deterministic clock, from bounds that do not depend on the budget: whatever budget the greedy
-    search misses, the same least is found (unless the deadline cuts it short), so a least peak
-    stated is a budget this search fits. Then the exact model searches for any saved set within
+    ``tuning.GREEDY_SHARE`` of the time asked (all of it alone), counted in values simulated.
+    When the greedy search fits nothing, the exact model's least-peak bisection
+    (``partition_exact.least_partition``) lowers the greedy search's least peak first, for
+    ``tuning.PARTITION_LEAST_SHARE`` of the time asked on CP-SAT's deterministic clock, from
+    bounds that do not depend on the budget: whatever budget the greedy search misses, the same
+    least is found (unless the deadline cuts it short), so a least peak stated is a budget this
+    search fits. Then the exact model searches for any saved set within
     the budget (or a proof that none is), and the least recomputation from what fits. When
     nothing within the budget is found, the least peak found, ``feasible`` False. The greedy
     search, too, ends by the deadline

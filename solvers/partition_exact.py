@@ -53,7 +53,8 @@ from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.cpsat import configure, solve_interruptibly
 from ckptplan.solvers.partition import no_recompute
 
-COST_UNITS = 10**6  # the objective's integer units over the costliest value's seconds
+# The objective's integer units over the costliest value's seconds (docs/tuning.md, "partition_exact").
+COST_UNITS = 10**6
 
 ExactStatus = Literal["optimal", "feasible", "infeasible", "unknown"]
 

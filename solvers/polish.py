@@ -43,8 +43,8 @@ CHOSE = "auto chose ilp: "  # how the notes of this phase's plans begin: it is `
 
 def polishes(graph: ComputeGraph, solver: str, limit: float) -> bool:
     """Whether a solve by ``solver`` with ``limit`` seconds ends with this phase on ``graph``:
-    ``auto`` on graphs of at most ``tuning.POLISH_MAX_NODES`` nodes, with a finite limit whose ``tuning.POLISH_SHARE`` is at
-    least ``tuning.POLISH_MIN_SECONDS``."""
+    ``auto`` on graphs of at most ``tuning.POLISH_MAX_NODES`` nodes, with a finite limit whose
+    ``tuning.POLISH_SHARE`` is at least ``tuning.POLISH_MIN_SECONDS``."""
     return (solver == "auto" and len(graph.nodes) <= tuning.POLISH_MAX_NODES and math.isfinite(limit)
             and limit * tuning.POLISH_SHARE >= tuning.POLISH_MIN_SECONDS)
 

@@ -39,8 +39,6 @@ from ckptplan.solvers.solution import Solution, solution
 log = logging.getLogger(__name__)
 
 
-
-
 def affordable(graph: ComputeGraph, seconds: float | None) -> bool:
     """Whether a joint search of ``seconds`` (None: no limit) suits ``graph``: candidates to
     decide, at most ``tuning.FLAT_MAX_NODES`` nodes, and time for more than building the model twice."""

@@ -20,7 +20,6 @@ from ckptplan.solvers.solution import Solution, solution
 log = logging.getLogger(__name__)
 
 
-
 def with_remat(
     graph: ComputeGraph,
     budget_bytes: int,
@@ -138,8 +137,8 @@ def with_remat(
                                       key=lambda p: p.cost_seconds, default=None)
     if polishing and start is not None:
         phase = ctx.before(reserve)
-        dense = len(_remat.candidates(graph)) > tuning.ALONE_FIRST_DENSITY * len(graph.nodes)
-        if together and not start.remat and dense:
+        if together and not start.remat and len(_remat.candidates(graph)) > tuning.ALONE_FIRST_DENSITY * len(
+                graph.nodes):
             start = _alone_first(graph, budget_bytes, start, phase, tuning.ALONE_FIRST_SHARE)
         elif order and not together and not hints(graph, start):
             solved_on = rematerialised.graph if start is from_rematerialised else None
@@ -206,7 +205,7 @@ def shed_remat(graph: ComputeGraph, regions: tuple[Region, ...], nodes: Sequence
 
 def _shed_trials(graph: ComputeGraph) -> int:
     """How many plans ``shed_remat`` simulates on ``graph``, at most."""
-    return max(8, tuning.SHED_SIMULATED_NODES // max(1, len(graph.nodes)))
+    return max(tuning.SHED_MIN_PLANS, tuning.SHED_SIMULATED_NODES // max(1, len(graph.nodes)))
 
 
 def _shed_seconds(graph: ComputeGraph) -> float:

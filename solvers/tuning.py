@@ -1,7 +1,8 @@
-"""The solvers' tuning constants, in one table: the measurements behind each are in
-``docs/tuning.md``, in the section named in its group's comment (the section is a module's name
-where one module reads the group). Solvers read them as ``tuning.NAME``; a test that changes one
-patches it here."""
+"""The solvers' tuning constants, in one table. Where a constant rests on a measurement, it is in
+``docs/tuning.md``, in the section its group's comment names (a module's name where one module
+reads the group). Solvers read them as ``tuning.NAME`` when they run, so a test that changes one
+patches it here; the few read at import keep their value (default arguments, ``registry``'s
+limits, and the constants defined from others below)."""
 
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ POLISH_JOINT_ROWS = (8, None)
 # remat_plans: how a solve weighs rematerialisation (docs/tuning.md, "polish", "remat_ilp")
 PLAIN_SHARE = 0.4  # with the joint search: the plain solve's part, to 1 - PLAIN_SHARE - JOINT_SHARE for the other solve
 JOINT_SHARE = 0.2  # of ``with_remat``'s time limit: the joint neighbourhood search
-SHED_SIMULATED_NODES = 20_000  # ``shed_remat`` simulates at most this many nodes' worth of plans (and 8 plans)
+SHED_SIMULATED_NODES = 20_000  # ``shed_remat`` simulates at most this many nodes' worth of plans ...
+SHED_MIN_PLANS = 8  # ... or this many plans, whichever is more
 # Graphs up to this many nodes get the portfolio search of regions and rematerialisation together
 # (``polish.polish(joint=True)``) from the plain solve's plan, in place of the solve on the
 # rematerialised graph and the neighbourhood search; larger ones get it from the cheaper of the
@@ -142,10 +144,14 @@ BLOCK_MIN_SOLVE_SECONDS = 0.05
 BLOCK_SOLVE_SECONDS_PER_NODE = 0.0045
 BLOCK_DP_SECONDS_PER_NODE = 0.0013
 BLOCK_QUICK_SECONDS_PER_NODE = 0.0045
+# The least-peak choice (``blocks.least_peak``) bisects its budget down to this many steps of the
+# range from resident memory to the no-checkpoint peak.
+LEAST_PEAK_STEPS = 4096
 MIN_BLOCK_NODES = 4  # smaller blocks leave nothing to decide inside them: no decomposition
 
 # dp and its stage chains (docs/tuning.md, "dp")
 DEFAULT_MEM_UNITS = 1000  # memory resolution: resident memory to the no-checkpoint peak in this many units
+MAX_STAGES = 32  # stages of a chain at most (``chain.stage_starts``)
 # What one candidate chain's curve is budgeted per node under a time limit: the limit buys
 # ``time_limit / (CHAIN_SECONDS_PER_NODE * nodes)`` chains (at least one), a count and not the
 # clock, so a plan does not depend on the machine's load.
@@ -166,9 +172,12 @@ DP_MAX_REPAIRS = 4  # re-solves below the budget when a merged-stage plan oversh
 SQRT_THRESHOLDS = 24
 SQRT_CUT_QUANTILES = (0.0, 0.25, 0.5)
 
-# Compiled steps' partitions (docs/tuning.md, "partition_exact"). The seconds each solver takes
-# when the caller gives no limit: ``auto`` runs the greedy search, then the exact model for the
-# rest of its time; ``exact`` the same for longer; ``greedy`` the greedy search alone.
+# Compiled steps' partitions (docs/tuning.md, "partition_exact"). The greedy search runs at most
+# GREEDY_ROUNDS_PER_CANDIDATE rounds per candidate value (each round removes one).
+GREEDY_ROUNDS_PER_CANDIDATE = 2
+# The seconds each solver takes when the caller gives no limit: ``auto`` runs the greedy search,
+# then the exact model for the rest of its time; ``exact`` the same for longer; ``greedy`` the
+# greedy search alone.
 PARTITION_SECONDS = {"auto": 30.0, "exact": 120.0, "greedy": 0.0}
 # Shares of the time asked, each sized on a clock of work rather than the wall clock so that the
 # search ends the same on every run:
@@ -176,7 +185,6 @@ GREEDY_SHARE = 0.5  # the greedy search, ...
 SIMULATED_VALUES_PER_SECOND = 170_000  # ... counted in joint-graph values simulated
 PARTITION_LEAST_SHARE = 0.3  # the least-peak search when the greedy search fits nothing, ...
 PARTITION_LEAST_CLOCK = 0.1  # ... counted in CP-SAT's deterministic seconds
-GREEDY_ROUNDS_PER_CANDIDATE = 2  # rounds of the greedy search at most (each removes one candidate)
 # A start that recomputes less than the best that fits is searched from too when it peaks at most
 # this share of the budget over it.
 NEAR_FITTING = 0.01

@@ -157,7 +157,8 @@ def test_the_least_peak_bisection_ends_near_the_least_there_is(seed: int) -> Non
                                         deterministic_seconds=3.0)
     assert least == simulate_partition(graph, least.saved)
     assert infeasible < lowest <= least.peak_bytes
-    assert least.peak_bytes - infeasible <= tuning.EXACT_LEAST_RESOLUTION * least.peak_bytes or least.peak_bytes == lowest
+    resolution = tuning.EXACT_LEAST_RESOLUTION
+    assert least.peak_bytes - infeasible <= resolution * least.peak_bytes or least.peak_bytes == lowest
 
 
 @pytest.mark.parametrize("seed", range(0, 60, 4))
