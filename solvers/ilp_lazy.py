@@ -146,12 +146,18 @@ def _fullest(report: Report, keys) -> list[tuple[str, int]]:
     return list(dict.fromkeys((e.phase, e.node) for e in by_bytes if (e.phase, e.node) in keys))
 
 
-def _seed_rows(v: IlpVars, start: Report, count: int) -> int:
+def _seed_rows(v: IlpVars, start: Report, count: int, gap: int = 0) -> int:
     """Add the deferred rows of the ``count`` events where the ``start`` plan holds the most
-    bytes; returns how many were added."""
-    fullest = _fullest(start, v.deferred)[:count]
-    add_events(v, fullest)
-    return len(fullest)
+    bytes, each at least ``gap`` nodes from those chosen before it while there are such events
+    (then the fullest of the rest); returns how many were added."""
+    fullest = _fullest(start, v.deferred)
+    chosen: list[tuple[str, int]] = []
+    for event in fullest:
+        if len(chosen) < count and all(abs(event[1] - other[1]) >= gap for other in chosen):
+            chosen.append(event)
+    chosen += [event for event in fullest if event not in chosen][:count - len(chosen)]
+    add_events(v, chosen)
+    return len(chosen)
 
 
 class _Watcher(cp_model.CpSolverSolutionCallback):
@@ -328,11 +334,14 @@ def search_lazily(
         unstated = (any(region.end - region.start > v.window for region in regions)
                     or not _states(graph, v, start_remat))
         outside = (within is not None and not within.holds(report)) or unstated
+        gap = 0
         if unstated and within is None:
             # No hint: every round starts from no plan, and stops at the first of CP-SAT's own
-            # plans that breaks a row (docs/tuning.md, "ilp_lazy", ``tuning.UNHINTED_SEEDED_ROWS``).
+            # plans that breaks a row; those plans are not the start, so the rows stated up front
+            # are spread over the step (docs/tuning.md, "ilp_lazy", ``tuning.UNHINTED_SEEDED_ROWS``).
             seeded_rows, rows_per_round = max(seeded_rows, tuning.UNHINTED_SEEDED_ROWS), None
-        seeded = _seed_rows(v, report, seeded_rows)
+            gap = tuning.UNHINTED_ROW_GAP
+        seeded = _seed_rows(v, report, seeded_rows, gap)
         if outside:
             hinted = None
             if within is not None:

@@ -55,8 +55,10 @@ SEEDED_ROWS = 8
 PROOF_SEEDED_ROWS = 1
 PROOF_ROWS_PER_ROUND = 1
 # From a start with a region longer than the model's window (no hint): at least this many rows up
-# front, and every row a plan breaks joins.
+# front, each at least UNHINTED_ROW_GAP nodes from the others (the start's fullest events
+# cluster around its own peaks), and every row a plan breaks joins.
 UNHINTED_SEEDED_ROWS = 4
+UNHINTED_ROW_GAP = 4
 MIN_CLOCK_SECONDS = 0.01  # a deterministic clock with less left than this ends the search
 
 # cpsat (docs/tuning.md, "cpsat"). From FULL_PORTFOLIO_WORKERS workers on, CP-SAT runs its own

@@ -3,6 +3,7 @@ against exhaustive search over one-level plans with keep-sets, and its plans run
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -30,6 +31,7 @@ from ckptplan.solvers.ilp import solve_ilp
 from ckptplan.solvers.ilp_flat import least_peak
 from ckptplan.solvers.ilp_lazy import (
     DEFERRED_PHASES,
+    _seed_rows,
     fewer_of_a_class,
     proof_search,
     proof_workers,
@@ -696,3 +698,27 @@ def test_model_peak_equals_the_simulated_peak_when_the_caller_keeps_the_outputs(
         assert model_peak(live, plan) == report.peak_bytes, plan
         higher += report.peak_bytes > simulate(base, plan).peak_bytes
     assert higher
+
+
+def test_rows_stated_up_front_from_an_unhinted_start_are_spread_over_the_step() -> None:
+    """From a start the model cannot take as a hint, CP-SAT's first plans are not the start, and
+    the start's fullest events cluster around its own peak: the rows stated up front are its
+    fullest events at least ``tuning.UNHINTED_ROW_GAP`` nodes apart, and where too few are that far
+    apart, the fullest of the rest make up the count."""
+    graph = chain_graph([64] * 40)
+    budget, report = int(0.5 * baseline_peak_bytes(graph)), simulate(graph, ())
+    gap = tuning.UNHINTED_ROW_GAP
+
+    def stated(count: int, gap: int) -> list[int]:
+        _, v = build_model(graph, budget, window=8, deferred_phases=DEFERRED_PHASES)
+        deferred = set(v.deferred)
+        seeded = _seed_rows(v, report, count, gap)
+        rows = sorted(node for _, node in deferred - set(v.deferred))
+        assert seeded == len(rows) == min(count, len(deferred))
+        return rows
+
+    fullest = stated(4, 0)  # the four fullest events: next to each other at the start of the backward
+    assert any(b - a < gap for a, b in itertools.pairwise(fullest))
+    spread = stated(4, gap)
+    assert all(b - a >= gap for a, b in itertools.pairwise(spread)) and max(spread) == max(fullest)
+    assert len(stated(len(graph.nodes), gap)) == len(stated(len(graph.nodes), 0))  # the count is made up
