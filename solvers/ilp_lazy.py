@@ -153,7 +153,9 @@ def _seed_rows(v: IlpVars, start: Report, count: int, gap: int = 0) -> int:
     fullest = _fullest(start, v.deferred)
     chosen: list[tuple[str, int]] = []
     for event in fullest:
-        if len(chosen) < count and all(abs(event[1] - other[1]) >= gap for other in chosen):
+        if len(chosen) == count:
+            break
+        if all(abs(event[1] - other[1]) >= gap for other in chosen):
             chosen.append(event)
     chosen += [event for event in fullest if event not in chosen][:count - len(chosen)]
     add_events(v, chosen)
@@ -305,7 +307,8 @@ def search_lazily(
     only bounds the cost, and hints the search if it lies in the range; a range without plans
     ends ``OPTIMAL``: none is cheaper). A ``regions`` with a region longer than ``window``
     nodes is no plan of the model either: no round has a hint to start from, at least
-    ``tuning.UNHINTED_SEEDED_ROWS`` rows join up front, every row a plan breaks joins after it, and
+    ``tuning.UNHINTED_SEEDED_ROWS`` rows join up front (events ``tuning.UNHINTED_ROW_GAP`` nodes
+    apart where there are enough), every row a plan breaks joins after it, and
     only the plans cheaper than ``regions`` count, though CP-SAT is free to pass through dearer
     ones (the search ends ``OPTIMAL`` when none of the model's plans is cheaper). ``remat``:
     rematerialisation candidates (``ckptplan.remat``) the joint model decides beside the
@@ -338,7 +341,7 @@ def search_lazily(
         if unstated and within is None:
             # No hint: every round starts from no plan, and stops at the first of CP-SAT's own
             # plans that breaks a row; those plans are not the start, so the rows stated up front
-            # are spread over the step (docs/tuning.md, "ilp_lazy", ``tuning.UNHINTED_SEEDED_ROWS``).
+            # are spread over the step (docs/tuning.md, "ilp_lazy", ``tuning.UNHINTED_ROW_GAP``).
             seeded_rows, rows_per_round = max(seeded_rows, tuning.UNHINTED_SEEDED_ROWS), None
             gap = tuning.UNHINTED_ROW_GAP
         seeded = _seed_rows(v, report, seeded_rows, gap)

@@ -137,8 +137,8 @@ def with_remat(
                                       key=lambda p: p.cost_seconds, default=None)
     if polishing and start is not None:
         phase = ctx.before(reserve)
-        if together and not start.remat and len(_remat.candidates(graph)) > tuning.ALONE_FIRST_DENSITY * len(
-                graph.nodes):
+        if together and not start.remat and (
+                len(_remat.candidates(graph)) > tuning.ALONE_FIRST_DENSITY * len(graph.nodes)):
             start = _alone_first(graph, budget_bytes, start, phase, tuning.ALONE_FIRST_SHARE)
         elif order and not together and not hints(graph, start):
             solved_on = rematerialised.graph if start is from_rematerialised else None
@@ -189,8 +189,9 @@ def shed_remat(graph: ComputeGraph, regions: tuple[Region, ...], nodes: Sequence
     without: dearest first (recompute seconds, with the hooks' fixed cost, times savers outside
     regions), each dropped when the simulated peak stays within the budget. Regions solved on a
     graph with every candidate rematerialised often leave bytes to spare, which pays for
-    recomputing fewer. Deterministic: at most ``max(8, tuning.SHED_SIMULATED_NODES // nodes)``
-    simulations, so large graphs try only their dearest few."""
+    recomputing fewer. Deterministic: at most
+    ``max(tuning.SHED_MIN_PLANS, tuning.SHED_SIMULATED_NODES // nodes)`` simulations, so large
+    graphs try only their dearest few."""
     covered = _remat.Remat(graph, nodes, regions).recomputed_by
     recomputes = {x: sum(x in xs for xs in covered.values()) for x in nodes}
     dearest = sorted(nodes, key=lambda x: (-(graph.nodes[x].fwd_cost + graph.remat_cost) * recomputes[x], x))
