@@ -10,7 +10,9 @@ this phase takes the rest, with the time they leave unused. From their plans the
 LP-based and neighbourhood workers find and often prove the optimum of the whole model within
 seconds, where the one worker sweeps it a window at a time (docs/tuning.md, "polish"). It
 searches plans of short regions first (``tuning.POLISH_WINDOWS``), whose model is smaller, and widens the
-regions to ``ilp``'s own window as each stage proves its plan.
+regions to ``ilp``'s own window as each stage proves its plan. A start with regions longer than
+the first stage allows is cut into shorter ones where the cut plan still fits (``split_start``),
+so that the stage can take it as its hint.
 The portfolio is not deterministic: its plan can differ from run to run, is taken only when it
 costs strictly less than its start, and costs the same on every run that proves it optimal.
 
@@ -31,8 +33,10 @@ import math
 from collections.abc import Callable
 
 from ckptplan import remat as _remat
+from ckptplan.errors import PlanFormatError
 from ckptplan.graph import ComputeGraph
 from ckptplan.region import Region
+from ckptplan.simulation import simulate
 from ckptplan.solvers import tuning
 from ckptplan.solvers.context import SolveContext
 from ckptplan.solvers.ilp_model import region_window
@@ -60,8 +64,9 @@ def windows(graph: ComputeGraph) -> list[int]:
 
 def hints(graph: ComputeGraph, plan: Solution) -> bool:
     """Whether the first stage of the search on ``graph`` takes ``plan``'s regions as CP-SAT's
-    hint: one level, none longer than the first of ``windows``. From a plan it cannot hint, each
-    round of the search starts from no plan (``ilp_lazy.search_lazily``)."""
+    hint as they are: one level, none longer than the first of ``windows``. ``polish`` cuts longer
+    ones where a cut fits (``split_start``); from a plan it can neither hint nor cut, each round
+    of the search starts from no plan (``ilp_lazy.search_lazily``)."""
     return all(not region.children for region in plan.regions) and _within(plan.regions, windows(graph)[0])
 
 
@@ -81,7 +86,8 @@ def polish(
     joint: bool = False,
 ) -> Solution:
     """The portfolio search (``ilp_flat.proof_phase``) from ``best`` (its regions when they are
-    one level, else from nothing) until ``ctx``'s deadline, first among plans of regions no
+    one level, cut to the first stage's window where a cut fits: ``split_start``; else from
+    nothing) until ``ctx``'s deadline, first among plans of regions no
     longer than the first of ``windows``, then, each time a stage proves its plan the cheapest
     there, the next; ``best`` unless it finds a plan that fits ``budget_bytes`` and costs
     strictly less, or the last stage (``ilp``'s own window) proves ``best`` optimal among
@@ -124,6 +130,8 @@ def _polish(
     phase.report("portfolio search" + ("" if own else " with cheap ops rematerialised")
                  + (" of regions and rematerialisation" if joint else ""))
     stages = windows(searched)
+    if start is not None and not _within(start, stages[0]):
+        start = split_start(searched, budget_bytes, start, start_remat, stages[0]) or start
     regions, remat = start, start_remat
     for window in stages:
         # Each stage's bound holds for its window only (announce=False: none is reported as the solve's).
@@ -156,6 +164,44 @@ def _polish(
     ctx.report(cost_seconds=plan.cost_seconds, peak_bytes=plan.peak_bytes)
     return plan.but(solver="ilp", status="optimal" if proven else "feasible", gap=0.0 if proven else None,
                     note=note, origin=None)
+
+
+def split_start(
+    graph: ComputeGraph, budget_bytes: int, regions: tuple[Region, ...], remat: tuple[str, ...], window: int,
+) -> tuple[Region, ...] | None:
+    """``regions`` with each region longer than ``window`` nodes cut at boundaries into regions
+    no longer, where the plan still fits ``budget_bytes``: a plan the first stage can hint. The
+    longest region is cut first, in two where both halves fit the window (else its first part
+    at most ``window`` long), at the cut whose plan fits and costs least (then peaks least);
+    None where a region has no cut that fits. A cut holds the tensors crossing it and
+    recomputes less at a time, so it can raise the peak or lower it (docs/tuning.md, "polish")."""
+    cuts = sorted(graph.boundaries)
+    plan = list(regions)
+    while True:
+        long = [region for region in plan if region.end - region.start > window]
+        if not long:
+            return tuple(plan)
+        region = max(long, key=lambda region: (region.end - region.start, -region.start))
+        halves = region.end - region.start <= 2 * window
+        rest = [other for other in plan if other is not region]
+        best: tuple[tuple[float, int], list[Region]] | None = None
+        for cut in cuts:
+            if not region.start < cut < region.end or cut - region.start > window:
+                continue
+            if halves and region.end - cut > window:
+                continue
+            tried = sorted([*rest, Region(start=region.start, end=cut), Region(start=cut, end=region.end)],
+                           key=lambda other: other.start)
+            try:
+                report = simulate(graph, tuple(tried), remat=remat)
+            except PlanFormatError:  # a rematerialisation the cut leaves no saver to recompute it
+                continue
+            score = (report.cost_seconds, report.peak_bytes)
+            if report.peak_bytes <= budget_bytes and (best is None or score < best[0]):
+                best = (score, tried)
+        if best is None:
+            return None
+        plan = best[1]
 
 
 def _own(best: Solution) -> str:

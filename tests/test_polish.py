@@ -107,3 +107,38 @@ def test_ctrl_c_before_the_portfolio_keeps_the_plan_made(gpt) -> None:
     ctx.cancel.set()
     assert polish.polish(gpt, budget, begin, ctx) is begin
 
+
+
+def test_a_start_too_long_to_hint_is_cut_into_regions_the_first_stage_can_hint(monkeypatch) -> None:
+    """A start whose region spans more nodes than the first stage's window is cut in two at the
+    cut whose plan fits and costs least; the first stage starts from that plan. Where no cut
+    fits, the start stays as it was (the stage runs from no hint)."""
+    from ckptplan.region import Region
+    from ckptplan.solvers import ilp_flat
+
+    graph = chain_graph([64 * (1 + i % 3) for i in range(80)])
+    window = polish.windows(graph)[0]
+    start = (Region(start=10, end=70),)  # 60 nodes: two regions of at most ``window`` each
+    assert not polish._within(start, window)
+    halves = {cut: (Region(start=10, end=cut), Region(start=cut, end=70)) for cut in sorted(graph.boundaries)
+              if 70 - window <= cut <= 10 + window}
+    reports = {cut: simulate(graph, plan) for cut, plan in halves.items()}
+    budget = max(report.peak_bytes for report in reports.values())
+    fitting = [cut for cut, report in reports.items() if report.peak_bytes <= budget]
+    least = min(fitting, key=lambda cut: (reports[cut].cost_seconds, reports[cut].peak_bytes))
+    assert polish.split_start(graph, budget, start, (), window) == halves[least]
+    tight = min(report.peak_bytes for report in reports.values()) - 1
+    assert polish.split_start(graph, tight, start, (), window) is None
+
+    seen = []
+
+    def first_stage(graph, budget_bytes, regions, ctx, **_):
+        seen.append(regions)
+        raise KeyboardInterrupt  # the stages after the first do not matter here
+
+    monkeypatch.setattr(ilp_flat, "proof_phase", first_stage)
+    for limit, expected in ((budget, halves[least]), (tight, start)):
+        begin = ckptplan.solvers.solution.solution(graph, start, "dp")
+        seen.clear()
+        assert polish.polish(graph, limit, begin, SolveContext.limited(4)) is begin
+        assert seen == [expected]
