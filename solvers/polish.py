@@ -170,12 +170,14 @@ def split_start(
     graph: ComputeGraph, budget_bytes: int, regions: tuple[Region, ...], remat: tuple[str, ...], window: int,
 ) -> tuple[Region, ...] | None:
     """``regions`` with each region longer than ``window`` nodes cut at boundaries into regions
-    no longer, where the plan still fits ``budget_bytes``: a plan the first stage can hint. The
+    no longer (each keeping the nodes of its part of the keep-set), where the plan still fits
+    ``budget_bytes``: a plan the first stage can hint. The
     longest region is cut first, in two where both halves fit the window (else its first part
     at most ``window`` long), at the cut whose plan fits and costs least (then peaks least);
     None where a region has no cut that fits. A cut holds the tensors crossing it and
     recomputes less at a time, so it can raise the peak or lower it (docs/tuning.md, "polish")."""
     cuts = sorted(graph.boundaries)
+    index = {node.name: node.index for node in graph.nodes}
     plan = list(regions)
     while True:
         long = [region for region in plan if region.end - region.start > window]
@@ -190,7 +192,9 @@ def split_start(
                 continue
             if halves and region.end - cut > window:
                 continue
-            tried = sorted([*rest, Region(start=region.start, end=cut), Region(start=cut, end=region.end)],
+            left = tuple(name for name in region.keep if index[name] < cut)
+            right = tuple(name for name in region.keep if index[name] >= cut)
+            tried = sorted([*rest, Region(region.start, cut, left), Region(cut, region.end, right)],
                            key=lambda other: other.start)
             try:
                 report = simulate(graph, tuple(tried), remat=remat)

@@ -111,16 +111,18 @@ def test_ctrl_c_before_the_portfolio_keeps_the_plan_made(gpt) -> None:
 
 def test_a_start_too_long_to_hint_is_cut_into_regions_the_first_stage_can_hint(monkeypatch) -> None:
     """A start whose region spans more nodes than the first stage's window is cut in two at the
-    cut whose plan fits and costs least; the first stage starts from that plan. Where no cut
+    cut whose plan fits and costs least, each half keeping what it held of the keep-set; the
+    first stage starts from that plan. Where no cut
     fits, the start stays as it was (the stage runs from no hint)."""
     from ckptplan.region import Region
     from ckptplan.solvers import ilp_flat
 
     graph = chain_graph([64 * (1 + i % 3) for i in range(80)])
     window = polish.windows(graph)[0]
-    start = (Region(start=10, end=70),)  # 60 nodes: two regions of at most ``window`` each
+    kept = (graph.nodes[12].name, graph.nodes[60].name)
+    start = (Region(10, 70, kept),)  # 60 nodes: two regions of at most ``window`` each
     assert not polish._within(start, window)
-    halves = {cut: (Region(start=10, end=cut), Region(start=cut, end=70)) for cut in sorted(graph.boundaries)
+    halves = {cut: (Region(10, cut, kept[:1]), Region(cut, 70, kept[1:])) for cut in sorted(graph.boundaries)
               if 70 - window <= cut <= 10 + window}
     reports = {cut: simulate(graph, plan) for cut, plan in halves.items()}
     budget = max(report.peak_bytes for report in reports.values())
