@@ -294,8 +294,10 @@ def _modules_table(plan: Plan) -> Table:
     headers = {"store": "stored", "recompute": "recomputed", "keep": "kept", "remat": "remat"}
     table = Table(
         title="ops by module", title_justify="left", caption_justify="left",
-        caption="saved: bytes its ops keep for backward without checkpointing; "
-                "region inputs: bytes of its outputs held as a checkpoint region's inputs",
+        caption="stored: ops outside every region, whose saved tensors stay; recomputed: ops run again "
+                "in backward; kept: ops in a region whose outputs it caches; saved: bytes its ops keep for "
+                "backward without checkpointing; region inputs: bytes of its outputs held as a checkpoint "
+                "region's inputs",
     )
     table.add_column("module", overflow="fold")
     for header in (*(headers[c] for c in counts), "saved", "region inputs"):
@@ -338,7 +340,9 @@ def _regions_table(plan: Plan) -> Table | Text:
         stored = "every activation but the rematerialised ops' is stored" if plan.remat else "every activation is stored"
         return Text(f"No checkpoint regions: {stored}.")
     names = [node.name for node in plan.nodes]
-    table = Table(title="checkpoint regions", title_justify="left")
+    table = Table(title="checkpoint regions", title_justify="left", caption_justify="left",
+                  caption="start, end: the region runs nodes start to end - 1, in execution order; kept: its "
+                          "nodes whose outputs it caches (selective checkpointing); children: regions nested in it")
     for header in ("start", "end", "first node", "last node", "kept", "children"):
         if header in ("first node", "last node"):
             table.add_column(header, overflow="fold")

@@ -2,8 +2,9 @@
 by, and the flag Ctrl-C sets.
 
 ``solvers.solve`` makes one ``SolveContext`` per solve and hands it down; nothing else reads a
-clock to decide when to stop, and no solver keeps state between calls. Two readings of time, on
-purpose:
+clock to decide when to stop, and no solver keeps state between calls beyond the graph's memo of
+work that depends on the graph alone (``solvers.memo``: ``dp``'s chains and curves, ``sqrt``'s
+candidates), which gives every call the same answers. Two readings of time, on purpose:
 
 * ``limit``, the seconds *asked for*, sizes work that must not depend on the machine's speed or
   load: CP-SAT's deterministic clock, counts of refinement moves, shares of a search. Same graph,

@@ -156,7 +156,7 @@ def configure(
     if 1 < workers < tuning.FULL_PORTFOLIO_WORKERS:
         solver.parameters.subsolvers.extend(tuning.BOUND_SUBSOLVERS[: workers - 1])
     if workers == 1:
-        solver.parameters.max_deterministic_time = max(0.01, deterministic_seconds)
+        solver.parameters.max_deterministic_time = max(tuning.MIN_CLOCK_SECONDS, deterministic_seconds)
 
 
 def lighten_presolve(solver: cp_model.CpSolver) -> None:

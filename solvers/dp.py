@@ -59,7 +59,6 @@ from ckptplan.units import describe_bytes
 log = logging.getLogger(__name__)
 
 INF = math.inf
-MAX_MEM_UNITS = 16384  # the finest resolution a caller's ``mem_unit`` may ask for
 
 
 class ChainDP(StageUnits):
@@ -222,9 +221,9 @@ def _segment_cuts(graph: ComputeGraph) -> list[int]:
 def chain_curve(graph: ComputeGraph, chain: Chain, mem_unit: int | None = None) -> CostCurve:
     """``chain``'s cost at every budget up to the no-checkpoint peak, at ``mem_unit`` (default:
     that range above resident memory over ``tuning.DEFAULT_MEM_UNITS``, rounded up; never finer than
-    ``MAX_MEM_UNITS`` units over it, since the tables hold one entry per unit)."""
+    ``tuning.MAX_MEM_UNITS`` units over it, since the tables hold one entry per unit)."""
     span = max(1, baseline_peak_bytes(graph) - chain.resident_bytes)
-    unit = max(mem_unit or -(-span // tuning.DEFAULT_MEM_UNITS), -(-span // MAX_MEM_UNITS), 1)
+    unit = max(mem_unit or -(-span // tuning.DEFAULT_MEM_UNITS), -(-span // tuning.MAX_MEM_UNITS), 1)
     return cost_curve(chain, baseline_peak_bytes(graph), unit)
 
 
@@ -239,7 +238,7 @@ def solve_dp(
 
     ``mem_unit``: bytes per DP memory unit. Default: the range from resident memory to the
     no-checkpoint peak over ``tuning.DEFAULT_MEM_UNITS`` (exact bytes when the range is smaller); at
-    most ``MAX_MEM_UNITS`` units over that range, whatever is asked. Every
+    most ``tuning.MAX_MEM_UNITS`` units over that range, whatever is asked. Every
     quantity is rounded up to units, so coarser units solve faster but may miss plans that fit
     within one unit per held item of the budget; the plan is optimal at its unit. One pass of
     the DP answers every budget (``solvers.dp_curve``).

@@ -145,7 +145,7 @@ def _interrupted(graph: ComputeGraph, budget_bytes: int, made: list[Solution], c
     best = min(plans, key=lambda p: p.cost_seconds)
     log.info("ilp: stopped by Ctrl-C; returning the %s plan", origin_of(best))
     return best.but(solver="ilp", status="timeout", gap=None, origin=None,
-                    note=f"stopped by Ctrl-C before its search returned; the {origin_of(best)} plan made so far")
+                    note=f"the {origin_of(best)} plan made before its search could return one")
 
 
 def proof_share(graph: ComputeGraph) -> float:

@@ -220,7 +220,7 @@ def solve_flat(
                + ("so the refined warm plan" if start is not None else "and no one-level warm plan"))
     elif proof_only and start is not None:
         ctx.report("ilp: proof phase")
-        found, regions = proof_phase(graph, budget_bytes, start, ctx, seconds=max(0.1, ctx.left()),
+        found, regions = proof_phase(graph, budget_bytes, start, ctx, seconds=max(tuning.MIN_SEARCH_SECONDS, ctx.left()),
                                       seed=seed, window=window, bound=0.0, announce=announce)
         status, bound = found.status, found.bound
         blocks_note = next((f" ({p.note})" for p in warm if origin_of(p) == HIERARCHICAL), "")
@@ -347,7 +347,7 @@ def _search(
     one, should take) is left. Returns the lazy search's result and the plan after both (None
     when neither found one)."""
     found = search_lazily(
-        graph, budget_bytes, start, ctx, seconds=max(0.1, ctx.left()) * tuning.GLOBAL_SHARE,
+        graph, budget_bytes, start, ctx, seconds=max(tuning.MIN_SEARCH_SECONDS, ctx.left()) * tuning.GLOBAL_SHARE,
         workers=workers,
         deterministic_seconds=clock * tuning.GLOBAL_SHARE, seed=seed, window=window, announce=announce,
         # Without a plan to start from, the whole model: its presolve proves an infeasible budget

@@ -315,7 +315,7 @@ class _Builder:
             stash = m.NewBoolVar(f"stash_{t}")
             self.implies([self.start[t], randafter[t]], stash)
             running.append(g.rng_state_bytes * stash)
-            if len(running) > 64:  # keep each constraint short: fold the running sum into a var
+            if len(running) > tuning.FOLD_TERMS:  # keep each constraint short: fold the running sum into a var
                 folded = m.NewIntVar(0, self.upper, f"stashes_{t}")
                 m.Add(folded == sum(running))
                 running = [folded]
@@ -527,7 +527,7 @@ class _Builder:
             for s in retired_after[i]:
                 program -= g.storages[s].nbytes
                 retained.append(g.storages[s].nbytes * self.held[s])
-            if len(retained) > 64:  # keep each constraint short: fold the running sum into a var
+            if len(retained) > tuning.FOLD_TERMS:  # keep each constraint short: fold the running sum into a var
                 folded = m.NewIntVar(0, self.upper, f"retained_{i}")
                 m.Add(folded == sum(retained))
                 retained = [folded]

@@ -42,6 +42,10 @@ LARGE_PROOF_SHARE = 0.5  # the same above FLAT_MAX_NODES
 BUILD_SECONDS_PER_PAIR = 75e-6  # building the CP-SAT model, per (node, node of its window)
 SIMPLIFY_GRACE = 0.05  # of the proof phase's time: simplifying the plan it found, past its end
 DEFAULT_WINDOW = 128  # longest region, in nodes, the model considers on graphs longer than this
+MIN_SEARCH_SECONDS = 0.1  # the least a proof or lazy search is given when its share has run out
+# Running sums of the model's memory rows longer than this fold into an integer variable, so that
+# no constraint is long (a model-size guard, not measured: any length in the tens does).
+FOLD_TERMS = 64
 
 # ilp_lazy (docs/tuning.md, "ilp_lazy"). Deferred rows stated up front are those of the events
 # where the start plan holds the most bytes. The reproducible search (one worker) states
@@ -153,6 +157,7 @@ MIN_BLOCK_NODES = 4  # smaller blocks leave nothing to decide inside them: no de
 
 # dp and its stage chains (docs/tuning.md, "dp")
 DEFAULT_MEM_UNITS = 1000  # memory resolution: resident memory to the no-checkpoint peak in this many units
+MAX_MEM_UNITS = 16384  # the finest resolution a caller's ``mem_unit`` may ask for (the tables' size)
 MAX_STAGES = 32  # stages of a chain at most (``chain.stage_starts``)
 # What one candidate chain's curve is budgeted per node under a time limit: the limit buys
 # ``time_limit / (CHAIN_SECONDS_PER_NODE * nodes)`` chains (at least one), a count and not the

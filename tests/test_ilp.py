@@ -447,15 +447,17 @@ def test_ctrl_c_before_the_search_returns_the_cheapest_plan_made_so_far(monkeypa
     ctx = SolveContext.limited(5)
     plan = solve_ilp(graph, budget, ctx)
     assert plan.regions == cheapest.regions and plan.status == "timeout"
-    assert plan.note.startswith("stopped by Ctrl-C") and ctx.cancelled
+    assert "made before its search could return one" in plan.note and ctx.cancelled
     monkeypatch.undo()  # refinement runs again: the cases below must end without it
 
     def absorbed(graph: ComputeGraph, budget_bytes: int, ctx: SolveContext, **kwargs: object) -> None:
         ctx.cancel.set()  # as a CP-SAT search of the block-by-block phase does when Ctrl-C lands in it
 
     monkeypatch.setattr(ilp, "solve_hierarchical", absorbed)  # the phases after it are skipped
-    plan = solve_ilp(graph, budget, SolveContext.limited(5))
-    assert plan.regions == solve_sqrt(graph, budget).regions and plan.note.startswith("stopped by Ctrl-C")
+    ctx = SolveContext.limited(5)
+    plan = solve_ilp(graph, budget, ctx)
+    assert plan.regions == solve_sqrt(graph, budget).regions and plan.note.startswith("the sqrt plan made before")
+    assert ctx.cancelled
     monkeypatch.setattr(ilp, "solve_hierarchical", _interrupt)  # before any plan is made
     plan = solve_ilp(graph, budget, SolveContext.limited(5))
     assert plan.regions == solve_sqrt(graph, budget).regions and plan.status == "timeout"

@@ -159,8 +159,8 @@ def test_symbolic_trace_records_the_same_memory_as_export() -> None:
 
 def test_repeated_profiles_in_one_process_record_identical_nodes() -> None:
     """Workspaces are a function of the graph, not of which storage addresses the allocator
-    hands out again (a freed saved tensor's address reused inside a backward used to hide the
-    allocation that got it, so the attention's backward workspace changed from run to run)."""
+    hands out again: a freed saved tensor's address reused inside a backward must not hide the
+    allocation that gets it, or the attention's backward workspace would change from run to run."""
     model, args = load_example("gpt").build(batch=2, seq=64)
     graphs = [ckptplan.profile(model, args) for _ in range(3)]
     first = graphs[0]
