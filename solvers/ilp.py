@@ -43,8 +43,6 @@ from ckptplan.units import describe_bytes
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIME_LIMIT = registry.default_seconds("ilp")  # seconds, when the caller gives none
-
 
 def solve_ilp(
     graph: ComputeGraph,
@@ -72,9 +70,9 @@ def solve_ilp(
     Ctrl-C at any point keeps the cheapest plan made so far (status ``timeout``; ``sqrt``'s when
     none was made yet): during a CP-SAT search that search ends with its best plan, and before
     one the phases left are skipped. ``ctx.limit`` sizes the phases; they end by ``ctx.deadline``
-    (None: ``DEFAULT_TIME_LIMIT`` from now).
+    (None: ``registry.default_seconds("ilp")`` from now).
     """
-    ctx = ctx if ctx is not None else SolveContext.limited(DEFAULT_TIME_LIMIT)
+    ctx = ctx if ctx is not None else SolveContext.limited(registry.default_seconds("ilp"))
     made = list(warm or ())  # every plan made so far that fits the budget
     try:
         log.info("ilp: %d nodes, up to %.0f s; Ctrl-C stops early and keeps the best plan so far", len(graph.nodes),
