@@ -112,9 +112,11 @@ def profile(
     traced = trace_model(model, args, kwargs, trace, spec)
     own_kernels = "cuda" if device_type == "cuda" else "cpu"
     if target == own_kernels:
-        # Grouped-query attention as the model calls it. For another target's kernels it stays
-        # repeated: ``cuda_attention`` does not model grouped calls (docs/limits.md).
-        group_repeated_heads(traced.gm)
+        group_repeated_heads(traced.gm)  # grouped-query attention as the model calls it
+    elif target == "cuda":
+        # For CUDA's kernels from another device, only the calls CUDA's flash kernel takes grouped:
+        # ``cuda_attention`` models no other grouped call (docs/limits.md).
+        group_repeated_heads(traced.gm, sixteen_bit_only=True, autocast_dtype=spec.dtype if spec else None)
     if spell_out:
         spell_out_composites(traced.gm, target, autocast=spec is not None)
     traced_seconds = time.perf_counter() - started

@@ -12,10 +12,12 @@ the math kernel, each behind constraints. This module assumes PyTorch's default 
 sm80-or-newer GPU (A100, H100, H200) and checks the constraints that depend on the call:
 
 * flash: float16/bfloat16, no ``attn_mask``, q/k/v of one head dim ≤ 256, no causal mask over
-  unequal query and key lengths;
+  unequal query and key lengths; grouped-query calls too (``enable_gqa``, the query's heads a
+  multiple of the key's: ``can_use_flash_attention`` takes them, and the kernel reads the
+  key and value heads as they are, saving them unrepeated);
 * memory-efficient: float32/float16/bfloat16, q and k of one head dim, q and v head dims
-  divisible by 8 (16-bit) or 4 (float32);
-* grouped-query calls (``enable_gqa`` with fewer key heads) are not modelled;
+  divisible by 8 (16-bit) or 4 (float32); grouped-query calls that flash does not take are
+  not modelled (whether this kernel takes them depends on the PyTorch release);
 * otherwise the math kernel, run here as CUDA runs it: the composite of ordinary ops
   (``composite``'s sequence) with CUDA's fused dropout, which keeps a 1-byte mask.
 
@@ -67,8 +69,9 @@ def cuda_backend(call: dict[str, Any]) -> Backend:
     dtype = _compute_dtype(query)
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "math"
-    if call.get("enable_gqa", False) and key.size(-3) != query.size(-3):
-        return "math"  # grouped heads: not modelled; the device's kernel records them
+    grouped = call.get("enable_gqa", False) and key.size(-3) != query.size(-3)
+    if grouped and query.size(-3) % key.size(-3) != 0:
+        return "math"  # CUDA refuses these; the device's kernel records them
     mask = call.get("attn_mask")
     if mask is not None and mask.stride(-1) != 1:
         return "math"  # fused kernels need the mask's last dimension dense too (a broadcast one is not)
@@ -83,6 +86,8 @@ def cuda_backend(call: dict[str, Any]) -> Backend:
         and not causal_rectangle
     ):
         return "flash"
+    if grouped:
+        return "math"  # grouped heads beyond flash: not modelled; the device's kernel records them
     alignment = 8 if dtype in _LOW_PRECISION else 4
     if dtype in (torch.float32, *_LOW_PRECISION) and q_dim == k_dim and q_dim % alignment == 0 and v_dim % alignment == 0:
         return "efficient"

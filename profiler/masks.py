@@ -64,17 +64,23 @@ def restore_masks(gm: GraphModule) -> int:
     return _recompiled(gm, rewritten)
 
 
-def group_repeated_heads(gm: GraphModule) -> int:
+def group_repeated_heads(gm: GraphModule, *, sixteen_bit_only: bool = False,
+                         autocast_dtype: torch.dtype | None = None) -> int:
     """Rewrite every attention call of ``gm`` whose mask ``restore_masks`` dropped, and whose keys
     and values are grouped heads repeated for it (``_unrepeated``), into the call ``transformers``
     makes without a mask: keys and values unrepeated, ``enable_gqa=True``, when their head dims
-    are equal and at most 256 (``use_gqa_in_sdpa``). Drop the nodes that only repeated them, and
-    return how many calls were rewritten."""
+    are equal and at most 256 (``use_gqa_in_sdpa``). ``sixteen_bit_only``: only the calls that
+    compute in float16 or bfloat16 (``autocast_dtype``, else the keys' dtype), which CUDA's flash
+    kernel takes grouped (``cuda_attention.cuda_backend``). Drop the nodes that only repeated
+    them, and return how many calls were rewritten."""
     rewritten = 0
     for node, call in _attention_calls(gm):
         if not node.meta.get(RESTORED) or call.get("enable_gqa", False):
             continue
         keys, values = _tensor_meta(call["key"]), _tensor_meta(call["value"])
+        if sixteen_bit_only and keys is not None and (autocast_dtype or keys.dtype) not in (torch.float16,
+                                                                                            torch.bfloat16):
+            continue
         grouped_key, grouped_value = _unrepeated(call["key"]), _unrepeated(call["value"])
         if keys is None or values is None or grouped_key is None or grouped_value is None:
             continue

@@ -115,7 +115,47 @@ def test_backend_choice() -> None:
     assert cuda_backend(call(dtype=torch.bfloat16, attn_mask=torch.empty(64, 64, device="meta"))) == "efficient"
     assert cuda_backend(call(q_shape=(2, 4, 64, 6))) == "math"  # head dim not a multiple of 4
     assert cuda_backend(call(q_shape=(2, 4, 64, 512), dtype=torch.float16)) == "efficient"  # flash stops at 256
-    assert cuda_backend(call(k_heads=2, enable_gqa=True)) == "math"  # grouped heads: not modelled
+    assert cuda_backend(call(k_heads=2, enable_gqa=True, dtype=torch.bfloat16)) == "flash"  # grouped heads
+    assert cuda_backend(call(k_heads=2, enable_gqa=True)) == "math"  # grouped heads past flash: not modelled
+    assert cuda_backend(call(k_heads=3, enable_gqa=True, dtype=torch.bfloat16)) == "math"  # 4 heads over 3
     assert cuda_backend(call(dtype=torch.float64)) == "math"
     broadcast = torch.empty(1, 1, 64, 1, dtype=torch.bool, device="meta").expand(2, 1, 64, 64)
     assert cuda_backend(call(attn_mask=broadcast)) == "math"
+
+
+class GroupedAttention(nn.Module):
+    """Grouped-query attention as ``transformers``' Llama calls it without a mask: 8 query heads
+    over 2 key and value heads, ``is_causal``, ``enable_gqa``, with attention dropout (which
+    the CPU's flash kernel does not take, and CUDA's does)."""
+
+    def __init__(self, width: int = 64, heads: int = 8, groups: int = 4) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = heads, heads // groups
+        self.head_dim = width // heads
+        self.q = nn.Linear(width, width)
+        self.kv = nn.Linear(width, 2 * self.kv_heads * self.head_dim)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0, is_causal=True,
+                                           enable_gqa=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, w))
+
+
+def test_grouped_query_attention_in_bfloat16_takes_flash_with_the_key_heads_unrepeated() -> None:
+    """Under bf16 autocast, CUDA runs grouped-query attention without a mask on flash, dropout
+    included, which keeps a B·H·L float32 log-sum-exp (no B·H·L·S tensor: the CPU's math kernel
+    would keep three) and reads the key and value heads as they are: what the node keeps of its
+    inputs is the 2 key and value heads, not 8."""
+    model = GroupedAttention()
+    batch, seq = 4, 48
+    x = torch.randn(batch, seq, 64)
+    graph = ckptplan.profile(model, (x,), target="cuda", autocast=torch.bfloat16)
+    (node,) = sdpa_nodes(graph)
+    assert hidden_saved_bytes(graph, node) <= batch * model.heads * seq * 4 + 64
+    read = {graph.storages[s].nbytes for s in node.saved if graph.storages[s].producer != node.index}
+    q_bytes = batch * model.heads * seq * model.head_dim * 2  # bf16
+    assert read == {q_bytes, q_bytes // 2}  # the query, and the key and value (views of one tensor) unrepeated

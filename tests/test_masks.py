@@ -127,8 +127,9 @@ def test_grouped_query_attention_runs_unrepeated_as_the_model_calls_it() -> None
     """With fewer key and value heads than query heads, ``transformers`` calls SDPA without a mask
     with the heads unrepeated and ``enable_gqa=True``; the profiled graph does too, so under
     bfloat16 autocast, where the repeated form rounds otherwise, the emitted module's step is the
-    model's to the bit: the same gradients and the same peak. Profiled for CUDA's kernels on CPU
-    the repeat stays (``cuda_attention`` does not model grouped calls)."""
+    model's to the bit: the same gradients and the same peak. Profiled for CUDA's kernels on CPU,
+    the calls are grouped where CUDA's flash kernel takes them (16-bit), and the repeat stays in
+    float32 (``cuda_attention`` models no other grouped call)."""
     model, kwargs = _llama(key_value_heads=2)
     reference = copy.deepcopy(model)
     graph = ckptplan.profile(model, (), kwargs, autocast=torch.bfloat16)
@@ -147,4 +148,6 @@ def test_grouped_query_attention_runs_unrepeated_as_the_model_calls_it() -> None
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
     for_cuda = ckptplan.profile(model, (), kwargs, autocast=torch.bfloat16, target="cuda")
     assert len(_attention_calls(for_cuda)) == 2
-    assert [n for n in for_cuda.nodes if n.op == "aten.expand.default" and "self_attn" in n.module]
+    assert not [n for n in for_cuda.nodes if n.op == "aten.expand.default" and "self_attn" in n.module]
+    fp32_for_cuda = ckptplan.profile(model, (), kwargs, target="cuda")
+    assert [n for n in fp32_for_cuda.nodes if n.op == "aten.expand.default" and "self_attn" in n.module]
