@@ -292,12 +292,14 @@ def _modules_table(plan: Plan) -> Table:
         row["region_input"] += node.region_input_bytes
     counts = ["store", "recompute", "keep", *(["remat"] if plan.remat else [])]
     headers = {"store": "stored", "recompute": "recomputed", "keep": "kept", "remat": "remat"}
+    remat = "remat: ops outside regions whose outputs are dropped and recomputed by their readers' backward; " \
+        if plan.remat else ""
     table = Table(
         title="ops by module", title_justify="left", caption_justify="left",
-        caption="stored: ops outside every region, whose saved tensors stay; recomputed: ops run again "
-                "in backward; kept: ops in a region whose outputs it caches; saved: bytes its ops keep for "
-                "backward without checkpointing; region inputs: bytes of its outputs held as a checkpoint "
-                "region's inputs",
+        caption="stored: ops outside every region, whose saved tensors stay; recomputed: ops in a region, run "
+                "again in backward; kept: ops in a region whose outputs it caches; " + remat + "saved: bytes "
+                "its ops keep for backward without checkpointing; region inputs: bytes of its outputs held as a "
+                "checkpoint region's inputs",
     )
     table.add_column("module", overflow="fold")
     for header in (*(headers[c] for c in counts), "saved", "region inputs"):

@@ -22,6 +22,7 @@ from ckptplan.errors import CkptPlanError
 from ckptplan.graph import ComputeGraph, Node, ShardSpec, TensorSpec
 from ckptplan.profiler.composite import spell_out_composites
 from ckptplan.profiler.cost import A100, FLOPS, Roofline
+from ckptplan.profiler.cuda_attention import cuda_backend
 from ckptplan.profiler.loss import loss_leaves, training_loss
 from ckptplan.profiler.masks import group_repeated_heads
 from ckptplan.profiler.record import record_graph
@@ -116,7 +117,8 @@ def profile(
     elif target == "cuda":
         # For CUDA's kernels from another device, only the calls CUDA's flash kernel takes grouped:
         # ``cuda_attention`` models no other grouped call (docs/limits.md).
-        group_repeated_heads(traced.gm, sixteen_bit_only=True, autocast_dtype=spec.dtype if spec else None)
+        dtype = spec.dtype if spec is not None else None
+        group_repeated_heads(traced.gm, only=lambda call: cuda_backend(call, autocast=dtype) == "flash")
     if spell_out:
         spell_out_composites(traced.gm, target, autocast=spec is not None)
     traced_seconds = time.perf_counter() - started

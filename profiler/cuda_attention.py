@@ -62,15 +62,16 @@ def sdpa_call(func: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
     return dict(zip(_SDPA_ARGS, args, strict=False)) | kwargs
 
 
-def cuda_backend(call: dict[str, Any]) -> Backend:
+def cuda_backend(call: dict[str, Any], autocast: torch.dtype | None = None) -> Backend:
     """The kernel CUDA's dispatch picks for ``call`` on an sm80+ GPU with default settings
-    ("math" also for the calls this module does not model)."""
+    ("math" also for the calls this module does not model). ``autocast``: the dtype CUDA's
+    autocast casts float32 inputs to (None: as enabled where this runs)."""
     query, key, value = call["query"], call["key"], call["value"]
-    dtype = _compute_dtype(query)
+    dtype = autocast if autocast is not None and query.dtype == torch.float32 else _compute_dtype(query)
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "math"
     grouped = call.get("enable_gqa", False) and key.size(-3) != query.size(-3)
-    if grouped and query.size(-3) % key.size(-3) != 0:
+    if grouped and (query.size(-3) % key.size(-3) != 0 or value.size(-3) != key.size(-3)):
         return "math"  # CUDA refuses these; the device's kernel records them
     mask = call.get("attn_mask")
     if mask is not None and mask.stride(-1) != 1:

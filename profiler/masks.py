@@ -26,6 +26,7 @@ backward as the model does, to the last bit under bfloat16 autocast.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,31 +65,30 @@ def restore_masks(gm: GraphModule) -> int:
     return _recompiled(gm, rewritten)
 
 
-def group_repeated_heads(gm: GraphModule, *, sixteen_bit_only: bool = False,
-                         autocast_dtype: torch.dtype | None = None) -> int:
+def group_repeated_heads(gm: GraphModule, *, only: Callable[[dict[str, Any]], bool] | None = None) -> int:
     """Rewrite every attention call of ``gm`` whose mask ``restore_masks`` dropped, and whose keys
     and values are grouped heads repeated for it (``_unrepeated``), into the call ``transformers``
     makes without a mask: keys and values unrepeated, ``enable_gqa=True``, when their head dims
-    are equal and at most 256 (``use_gqa_in_sdpa``). ``sixteen_bit_only``: only the calls that
-    compute in float16 or bfloat16 (``autocast_dtype``, else the keys' dtype), which CUDA's flash
-    kernel takes grouped (``cuda_attention.cuda_backend``). Drop the nodes that only repeated
-    them, and return how many calls were rewritten."""
+    are equal and at most 256 (``use_gqa_in_sdpa``). ``only``: rewrite just the calls it accepts,
+    given as the grouped call's arguments by name (tensors as their traced values). Drop the nodes
+    that only repeated them, and return how many calls were rewritten."""
     rewritten = 0
     for node, call in _attention_calls(gm):
         if not node.meta.get(RESTORED) or call.get("enable_gqa", False):
             continue
         keys, values = _tensor_meta(call["key"]), _tensor_meta(call["value"])
-        if sixteen_bit_only and keys is not None and (autocast_dtype or keys.dtype) not in (torch.float16,
-                                                                                            torch.bfloat16):
-            continue
         grouped_key, grouped_value = _unrepeated(call["key"]), _unrepeated(call["value"])
         if keys is None or values is None or grouped_key is None or grouped_value is None:
             continue
         heads = _tensor_meta(grouped_key).size(1), _tensor_meta(grouped_value).size(1)
         if heads[0] != heads[1] or keys.size(-1) != values.size(-1) or keys.size(-1) > _GQA_MAX_HEAD_DIM:
             continue
+        grouped = call | {"key": grouped_key, "value": grouped_value, "enable_gqa": True}
+        if only is not None and not only({name: _tensor_meta(arg) if isinstance(arg, Node) else arg
+                                          for name, arg in grouped.items()}):
+            continue
         repeated = call["key"], call["value"]
-        _set_call(node, call | {"key": grouped_key, "value": grouped_value, "enable_gqa": True})
+        _set_call(node, grouped)
         for tensor in repeated:
             _erase_unused(gm, tensor)
         rewritten += 1

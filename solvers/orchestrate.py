@@ -75,7 +75,7 @@ def solve(
             f"(claimed {found.peak_bytes} bytes, simulated {report.peak_bytes}, budget {budget_bytes}); "
             "this is a bug in ckptplan, please report it."
         )
-    if ctx.cancelled:  # the kernels set the flag; the plan says so here, once
+    if ctx.cancelled:  # the kernels and phases set the flag; the plan says so here, once
         found = found.but(note=f"{found.note}; stopped by Ctrl-C".lstrip("; "))
     return plan_of(graph, found.but(report=report), requested, seconds=time.perf_counter() - started)
 

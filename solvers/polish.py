@@ -130,9 +130,10 @@ def _polish(
     phase.report("portfolio search" + ("" if own else " with cheap ops rematerialised")
                  + (" of regions and rematerialisation" if joint else ""))
     stages = windows(searched)
-    if start is not None and not _within(start, stages[0]):
-        start = split_start(searched, budget_bytes, start, start_remat, stages[0]) or start
     regions, remat = start, start_remat
+    if start is not None and not _within(start, stages[0]):  # the stages' hint: the start cut to fit
+        cutting = phase.within(ctx.left() * tuning.SPLIT_START_SHARE)
+        regions = split_start(searched, budget_bytes, start, start_remat, stages[0], cutting) or start
     for window in stages:
         # Each stage's bound holds for its window only (announce=False: none is reported as the solve's).
         # The joint search from a plan the model takes as a hint states more rows at a time:
@@ -168,16 +169,18 @@ def _polish(
 
 def split_start(
     graph: ComputeGraph, budget_bytes: int, regions: tuple[Region, ...], remat: tuple[str, ...], window: int,
+    ctx: SolveContext,
 ) -> tuple[Region, ...] | None:
     """``regions`` with each region longer than ``window`` nodes cut at boundaries into regions
     no longer (each keeping the nodes of its part of the keep-set), where the plan still fits
-    ``budget_bytes``: a plan the first stage can hint. The
-    longest region is cut first, in two where both halves fit the window (else its first part
-    at most ``window`` long), at the cut whose plan fits and costs least (then peaks least);
-    None where a region has no cut that fits. A cut holds the tensors crossing it and
-    recomputes less at a time, so it can raise the peak or lower it (docs/tuning.md, "polish")."""
+    ``budget_bytes``: a plan the first stage can hint. The longest region is cut first, in two
+    where both halves fit the window (else its first part at most ``window`` long), at the cut
+    whose plan fits and costs least (then peaks least); None where a region has no cut that
+    fits, or once ``ctx``'s deadline passes (each cut tried is a simulation of the graph). A cut
+    holds the tensors crossing it and recomputes less at a time, so it can raise the peak or
+    lower it (docs/tuning.md, "polish")."""
     cuts = sorted(graph.boundaries)
-    index = {node.name: node.index for node in graph.nodes}
+    index = graph.index_of
     plan = list(regions)
     while True:
         long = [region for region in plan if region.end - region.start > window]
@@ -186,12 +189,14 @@ def split_start(
         region = max(long, key=lambda region: (region.end - region.start, -region.start))
         halves = region.end - region.start <= 2 * window
         rest = [other for other in plan if other is not region]
-        best: tuple[tuple[float, int], list[Region]] | None = None
+        cheapest: tuple[tuple[float, int], list[Region]] | None = None
         for cut in cuts:
             if not region.start < cut < region.end or cut - region.start > window:
                 continue
             if halves and region.end - cut > window:
                 continue
+            if ctx.over():
+                return None
             left = tuple(name for name in region.keep if index[name] < cut)
             right = tuple(name for name in region.keep if index[name] >= cut)
             tried = sorted([*rest, Region(region.start, cut, left), Region(cut, region.end, right)],
@@ -201,11 +206,11 @@ def split_start(
             except PlanFormatError:  # a rematerialisation the cut leaves no saver to recompute it
                 continue
             score = (report.cost_seconds, report.peak_bytes)
-            if report.peak_bytes <= budget_bytes and (best is None or score < best[0]):
-                best = (score, tried)
-        if best is None:
+            if report.peak_bytes <= budget_bytes and (cheapest is None or score < cheapest[0]):
+                cheapest = (score, tried)
+        if cheapest is None:
             return None
-        plan = best[1]
+        plan = cheapest[1]
 
 
 def _own(best: Solution) -> str:

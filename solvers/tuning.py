@@ -44,7 +44,7 @@ SIMPLIFY_GRACE = 0.05  # of the proof phase's time: simplifying the plan it foun
 DEFAULT_WINDOW = 128  # longest region, in nodes, the model considers on graphs longer than this
 MIN_SEARCH_SECONDS = 0.1  # the least a proof or lazy search is given when its share has run out
 # Running sums of the model's memory rows longer than this fold into an integer variable, so that
-# no constraint is long (a model-size guard, not measured: any length in the tens does).
+# no constraint is long (a model-size guard; not measured).
 FOLD_TERMS = 64
 
 # ilp_lazy (docs/tuning.md, "ilp_lazy"). Deferred rows stated up front are those of the events
@@ -63,7 +63,7 @@ PROOF_ROWS_PER_ROUND = 1
 # cluster around its own peaks), and every row a plan breaks joins.
 UNHINTED_SEEDED_ROWS = 4
 UNHINTED_ROW_GAP = 4
-MIN_CLOCK_SECONDS = 0.01  # a deterministic clock with less left than this ends the search
+MIN_CLOCK_SECONDS = 0.01  # a deterministic clock with less left than this ends the search; nor is one set lower
 
 # cpsat (docs/tuning.md, "cpsat"). From FULL_PORTFOLIO_WORKERS workers on, CP-SAT runs its own
 # portfolio (what its documentation recommends: one worker per core). Below it, a portfolio's
@@ -81,6 +81,7 @@ POLISH_MIN_SECONDS = 1.0  # the least time worth starting the portfolio for (its
 # The longest regions, in nodes, the portfolio allows first, then (each once the one before is
 # proven) wider, up to ``ilp``'s own window.
 POLISH_WINDOWS = (32, 64)
+SPLIT_START_SHARE = 0.1  # of the portfolio's time at most, for simulating cuts of a start too long to hint
 POLISH_MAX_NODES = LARGE_NODES  # larger graphs are left to the block-by-block plan
 # The joint search's memory rows from a start it takes as a hint: stated up front, and added per
 # round (None: every row a plan breaks; ``ilp_lazy.search_lazily``).

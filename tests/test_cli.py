@@ -436,7 +436,7 @@ def test_ctrl_c_during_an_ilp_solve_returns_the_best_plan_so_far() -> None:
     plan = json.loads(stdout)
     # Stopped during its search, it returns the cheapest plan made so far, and says why it stopped.
     assert plan["solver"]["name"] == "ilp"
-    assert "Ctrl-C" in plan["solver"]["note"], "the solve ran on after Ctrl-C"
+    assert plan["solver"]["note"].count("Ctrl-C") == 1, "the solve ran on after Ctrl-C, or says so twice"
     assert plan["prediction"]["peak_bytes"] <= plan["budget"]["bytes"]
 
 

@@ -43,11 +43,16 @@ def test_the_gpt_table_quotes_rows_of_compare_md() -> None:
     quoted = _table(readme, "| method | measured peak |")
     assert len(quoted) >= 6
     measured = _table(_section((RESULTS / "compare.md").read_text(), "gpt:"), "| method | setting |")
-    rows = {(row[2], row[4], row[5]): row[0] for row in measured}
+    rows: dict[tuple[str, str, str], list[str]] = {}
+    for row in measured:
+        rows.setdefault((row[2], row[4], row[5]), []).append(f"{row[0]} {row[1]}")
     for method, peak, flops, step, _ in quoted:
         key = (f"{_number(peak):.1f}", f"{_number(flops):+.1f}", f"{_number(step):.2f}")
         assert key in rows, f"README row {method!r} ({peak}, {flops}, {step}) is no row of compare.md"
-        assert method.startswith("ckptplan") == rows[key].startswith("ckptplan"), method
+        if method.startswith("ckptplan `auto`"):
+            assert any(name.startswith("ckptplan auto,") for name in rows[key]), method
+        else:
+            assert not any(name.startswith("ckptplan") for name in rows[key]), method
 
 
 def test_the_summary_against_the_memory_budget_knob_is_compare_md_s() -> None:
@@ -92,13 +97,13 @@ def test_the_compiled_least_peaks_and_timings_are_compile_compare_md_s() -> None
 
 def test_the_allocator_agreement_is_allocator_md_s() -> None:
     """"within 0.01% ... on N of its M models, and at most X% over it on the others"."""
-    errors: dict[str, float] = {}
+    errors: dict[str, float] = {}  # each model's error furthest from zero, signed
     for row in _table((RESULTS / "allocator.md").read_text(), "| model | step |"):
-        error = abs(float(re.search(r"\(([-+][\d.]+)%\)", row[3]).group(1)))
-        errors[row[0]] = max(errors.get(row[0], 0.0), error)
+        error = float(re.search(r"\(([-+][\d.]+)%\)", row[3]).group(1))
+        errors[row[0]] = max(errors.get(row[0], 0.0), error, key=abs)
     close, models, worst = re.search(
         r"within 0\.01% with and without a plan on (\w+) of its (\w+) models.*?at most ([\d.]+)% over it", _readme()
     ).groups()
     assert WORDS[models] == len(errors)
-    assert WORDS[close] == sum(error <= 0.01 for error in errors.values())
-    assert float(worst) == max(errors.values())
+    assert WORDS[close] == sum(abs(error) <= 0.01 for error in errors.values())
+    assert float(worst) == max(errors.values(), key=abs) > 0  # over the allocator's count
