@@ -220,7 +220,8 @@ def solve_flat(
                + ("so the refined warm plan" if start is not None else "and no one-level warm plan"))
     elif proof_only and start is not None:
         ctx.report("ilp: proof phase")
-        found, regions = proof_phase(graph, budget_bytes, start, ctx, seconds=max(tuning.MIN_SEARCH_SECONDS, ctx.left()),
+        seconds = max(tuning.MIN_SEARCH_SECONDS, ctx.left())
+        found, regions = proof_phase(graph, budget_bytes, start, ctx, seconds=seconds,
                                       seed=seed, window=window, bound=0.0, announce=announce)
         status, bound = found.status, found.bound
         blocks_note = next((f" ({p.note})" for p in warm if origin_of(p) == HIERARCHICAL), "")

@@ -119,8 +119,8 @@ def test_backend_choice() -> None:
     assert cuda_backend(call(k_heads=2, enable_gqa=True)) == "math"  # grouped heads past flash: not modelled
     assert cuda_backend(call(k_heads=3, enable_gqa=True, dtype=torch.bfloat16)) == "math"  # 4 heads over 3
     assert cuda_backend(call(k_heads=2, enable_gqa=True), autocast=torch.bfloat16) == "flash"  # autocast casts
-    unequal = call(k_heads=2, enable_gqa=True, dtype=torch.bfloat16) | {"value": torch.empty(2, 1, 64, 32,
-                                                                                      dtype=torch.bfloat16, device="meta")}
+    unequal = call(k_heads=2, enable_gqa=True, dtype=torch.bfloat16)
+    unequal["value"] = torch.empty(2, 1, 64, 32, dtype=torch.bfloat16, device="meta")
     assert cuda_backend(unequal) == "math"  # key and value heads differ
     assert cuda_backend(call(dtype=torch.float64)) == "math"
     broadcast = torch.empty(1, 1, 64, 1, dtype=torch.bool, device="meta").expand(2, 1, 64, 64)
